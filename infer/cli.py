@@ -1,0 +1,37 @@
+"""`infer`: run, prepare and measure MoE models whose experts stream from SSD."""
+
+import importlib
+import sys
+
+# command -> module with a main(argv) -> int
+COMMANDS = {
+    "run": ("infer.run", "generate text with experts streamed through iod"),
+    "prep": ("infer.prep", "convert an mlx-lm MoE model into a prep folder"),
+    "verify": ("infer.verify", "check every expert record of a prep folder"),
+    "synth": ("infer.synth", "build a random-weight model of a real architecture"),
+    "bench": ("infer.bench", "compare resident, streaming and iod decoding"),
+    "serve": ("infer.serve", "OpenAI-compatible HTTP server on a shared iod"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: infer COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:8s} {help}" for name, (_, help) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"infer: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

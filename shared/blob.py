@@ -1,0 +1,219 @@
+"""The on-disk expert format: blob files, records and ``manifest.json``.
+
+Every MoE layer's experts live in one blob file, one fixed-stride record per
+expert, so one aligned read returns one whole expert. A record is the
+concatenation of the expert's slice of each expert tensor (its segments), in
+manifest order, each segment starting on a ``SEGMENT_ALIGN`` boundary; the
+stride is the record size rounded up to ``RECORD_ALIGN`` for O_DIRECT.
+
+Each record has an xxh3-64 checksum seeded with its identity (layer, expert),
+so a record written in the wrong place fails its check as surely as a flipped
+bit does.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import xxhash
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "iod-experts"
+MANIFEST_VERSION = 1
+RECORD_ALIGN = 4096
+SEGMENT_ALIGN = 64
+
+# dtype name (as MLX spells it) -> numpy dtype of the raw bytes.
+# bfloat16 has no numpy type; its bytes travel as uint16.
+NUMPY_DTYPES = {
+    "uint32": np.uint32,
+    "uint16": np.uint16,
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "int32": np.int32,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+}
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def record_checksum(layer: int, expert: int, data) -> int:
+    """xxh3-64 of a record's bytes, seeded with its (layer, expert) identity."""
+    return xxhash.xxh3_64_intdigest(data, seed=(layer << 32) | expert)
+
+
+@dataclass
+class Segment:
+    projection: str  # e.g. "gate_proj", "fc1"
+    tensor: str  # "weight", "scales", "biases" or "bias"
+    dtype: str
+    shape: List[int]  # of one expert's slice
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class LayerLayout:
+    layer: int  # blob identity: decoder layer index, MTP layers after them
+    module: str  # path of the expert module in the mlx-lm model
+    file: str
+    num_experts: int
+    record_bytes: int
+    stride: int
+    segments: List[Segment]
+    # per projection: {"mode", "bits", "group_size"}; absent when unquantized
+    quantization: Dict[str, Dict[str, object]] = field(default_factory=dict)
+    checksums: List[str] = field(default_factory=list)
+
+    @property
+    def projections(self) -> List[str]:
+        seen = []
+        for s in self.segments:
+            if s.projection not in seen:
+                seen.append(s.projection)
+        return seen
+
+    def checksum(self, expert: int) -> int:
+        return int(self.checksums[expert], 16)
+
+    def split(self, record) -> Dict[Tuple[str, str], np.ndarray]:
+        """Views of a record's segments as numpy arrays (raw dtypes)."""
+        buf = memoryview(record)
+        out = {}
+        for s in self.segments:
+            a = np.frombuffer(buf[s.offset : s.offset + s.nbytes], NUMPY_DTYPES[s.dtype])
+            out[(s.projection, s.tensor)] = a.reshape(s.shape)
+        return out
+
+
+def plan_layer(layer: int, module: str, tensors, quantization=None) -> LayerLayout:
+    """Lay out a record from ``[(projection, tensor, dtype, shape_per_expert,
+    itemsize, num_experts)]`` in the given order."""
+    offset = 0
+    segments = []
+    num_experts = None
+    for projection, tensor, dtype, shape, itemsize, n in tensors:
+        if num_experts is None:
+            num_experts = n
+        elif n != num_experts:
+            raise ManifestError(f"layer {layer}: {projection}.{tensor} has {n} experts")
+        nbytes = int(np.prod(shape)) * itemsize
+        offset = round_up(offset, SEGMENT_ALIGN)
+        segments.append(Segment(projection, tensor, dtype, list(shape), offset, nbytes))
+        offset += nbytes
+    return LayerLayout(
+        layer=layer,
+        module=module,
+        file=f"layer{layer:03d}.blob",
+        num_experts=num_experts,
+        record_bytes=offset,
+        stride=round_up(offset, RECORD_ALIGN),
+        segments=segments,
+        quantization=dict(quantization or {}),
+    )
+
+
+@dataclass
+class Manifest:
+    model_type: str
+    layers: List[LayerLayout]
+    format: str = MANIFEST_FORMAT
+    version: int = MANIFEST_VERSION
+    checksum: str = "xxh3_64"
+    record_align: int = RECORD_ALIGN
+
+    def layer(self, layer: int) -> LayerLayout:
+        for l in self.layers:
+            if l.layer == layer:
+                return l
+        raise KeyError(layer)
+
+    @property
+    def max_stride(self) -> int:
+        return max(l.stride for l in self.layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(l.stride * l.num_experts for l in self.layers)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    def save(self, folder) -> None:
+        """Write atomically: a reader never sees half a manifest."""
+        path = Path(folder) / MANIFEST_NAME
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, d) -> "Manifest":
+        if not isinstance(d, dict) or d.get("format") != MANIFEST_FORMAT:
+            raise ManifestError("not an iod expert manifest")
+        if d.get("version") != MANIFEST_VERSION:
+            raise ManifestError(
+                f"manifest version {d.get('version')} is not the supported "
+                f"version {MANIFEST_VERSION}; run `infer prep` again"
+            )
+        try:
+            layers = []
+            for l in d["layers"]:
+                l = dict(l)
+                l["segments"] = [Segment(**s) for s in l["segments"]]
+                layers.append(LayerLayout(**l))
+            return cls(
+                model_type=d["model_type"],
+                layers=layers,
+                format=d["format"],
+                version=d["version"],
+                checksum=d["checksum"],
+                record_align=d["record_align"],
+            )
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"malformed manifest: {e}") from None
+
+    @classmethod
+    def load(cls, folder) -> "Manifest":
+        path = Path(folder) / MANIFEST_NAME
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ManifestError(f"{folder} is not a prep folder (no {MANIFEST_NAME})") from None
+        except (OSError, ValueError) as e:
+            raise ManifestError(f"cannot read {path}: {e}") from None
+        return cls.from_dict(d)
+
+
+def manifest_hash(folder) -> str:
+    """Identity of a prep folder's expert format and contents."""
+    data = (Path(folder) / MANIFEST_NAME).read_bytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def read_record(folder, layout: LayerLayout, expert: int, fd: Optional[int] = None) -> bytes:
+    """Plain buffered read of one record (tools and tests; iod reads its own way)."""
+    path = Path(folder) / layout.file
+    if fd is None:
+        with open(path, "rb") as f:
+            return os.pread(f.fileno(), layout.record_bytes, expert * layout.stride)
+    return os.pread(fd, layout.record_bytes, expert * layout.stride)
+
+
+def verify_record(layout: LayerLayout, expert: int, data) -> bool:
+    return (
+        len(data) >= layout.record_bytes
+        and record_checksum(layout.layer, expert, memoryview(data)[: layout.record_bytes])
+        == layout.checksum(expert)
+    )
