@@ -1,0 +1,79 @@
+"""Load a prep folder into mlx-lm's own model classes with streaming experts."""
+
+from pathlib import Path
+
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mlx_lm.utils import _get_classes, load_config, load_model
+
+from shared.blob import Manifest, ManifestError
+
+from .streaming import ExpertStore, patch_model
+
+DEFAULT_CACHE_FRACTION = 0.25
+
+
+class PrepFolderError(ValueError):
+    pass
+
+
+def check_prep_folder(model_dir) -> Manifest:
+    """The folder's manifest, or PrepFolderError saying what is wrong."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise PrepFolderError(f"{model_dir} is not a folder")
+    try:
+        manifest = Manifest.load(model_dir)
+    except ManifestError as e:
+        raise PrepFolderError(str(e)) from None
+    if not (model_dir / "config.json").exists():
+        raise PrepFolderError(f"{model_dir} has no config.json")
+    for layout in manifest.layers:
+        path = model_dir / layout.file
+        if not path.exists():
+            raise PrepFolderError(f"missing blob {path}")
+        if path.stat().st_size < layout.stride * layout.num_experts:
+            raise PrepFolderError(f"blob {path} is shorter than its manifest says")
+    return manifest
+
+
+def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None):
+    """(model, tokenizer, store) for a prep folder, experts from ``source``."""
+    model_dir = Path(model_dir)
+    manifest = check_prep_folder(model_dir)
+    if cache_bytes is None:
+        cache_bytes = int(manifest.expert_bytes * DEFAULT_CACHE_FRACTION)
+    store = ExpertStore(manifest, source, cache_bytes)
+
+    def get_classes(config):
+        model_class, args_class = _get_classes(config)
+
+        # Patch inside the constructor, before mlx-lm quantizes and loads:
+        # its quantization predicate looks for `<path>.scales` among the
+        # loaded weights, which the experts are not part of.
+        class StreamingModel(model_class):
+            def __init__(self, args):
+                super().__init__(args)
+                patch_model(self, manifest, store)
+
+        StreamingModel.__name__ = model_class.__name__
+        return StreamingModel, args_class
+
+    model, config = load_model(model_dir, get_model_classes=get_classes)
+    tokenizer = load_tokenizer(
+        model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
+    )
+    return model, tokenizer, store
+
+
+def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None):
+    """Load a prep folder as ``(model, tokenizer)``; experts stream through iod.
+
+    The result works unchanged with ``mlx_lm.generate`` and
+    ``mlx_lm.stream_generate``.
+    """
+    from .client import IodClient
+
+    check_prep_folder(model_dir)
+    source = IodClient(model_dir, iod=iod)
+    model, tokenizer, _ = load_streaming(model_dir, source, cache_bytes, tokenizer_config)
+    return model, tokenizer
