@@ -82,20 +82,75 @@ class ExpertStore:
     """Serves experts to the streaming modules: cache first, then the source.
 
     ``source`` is an ``infer.client.IodClient`` (or a local source with the
-    same ``fetch / release / prefetch`` methods, used by benchmarks).
+    same ``fetch / release / prefetch / cancel`` methods, used by benchmarks).
+    With ``depth > 0`` each MoE layer also predicts the experts of the next
+    ``depth`` layers by applying their routers to its own input, and asks the
+    source to prefetch the ones not cached.
     """
 
-    def __init__(self, manifest, source, cache_bytes):
+    def __init__(self, manifest, source, cache_bytes, depth=2):
         self.manifest = manifest
         self.source = source
         self.cache = ExpertCache(cache_bytes)
         self.layouts = {l.layer: l for l in manifest.layers}
+        self.depth = depth
+        self.routers = {}  # layer -> (router module, top k)
+        self.next_layers = {}  # layer -> the MoE layers after it, in order
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
-        self.trace = []  # (layer, experts) per call, for offline analysis
+        # per depth: [true positives, predicted, actual]
+        self.prediction = [[0, 0, 0] for _ in range(depth + 1)]
+        self._predicted = {}  # layer -> {depth: set of experts}
+
+    def set_routers(self, routers):
+        self.routers = routers
+        order = sorted(routers)
+        self.next_layers = {l: order[i + 1 :] for i, l in enumerate(order)}
+
+    def predict(self, layer, x):
+        """Lazy top-k guesses for the next layers: [(layer, depth, ids)]."""
+        out = []
+        for d, nxt in enumerate(self.next_layers.get(layer, [])[: self.depth], 1):
+            router, k = self.routers[nxt]
+            scores = router(x)
+            if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
+                ids = scores[0]
+            else:
+                ids = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
+            out.append((nxt, d, ids))
+        return out
+
+    def prefetch(self, guesses):
+        for layer, d, ids in guesses:
+            wanted = set(np.unique(np.array(ids)).tolist())
+            self._predicted.setdefault(layer, {})[d] = wanted
+            missing = [e for e in sorted(wanted) if (layer, e) not in self.cache]
+            if missing:
+                self.source.prefetch(layer, missing)
+
+    def _score(self, layer, actual):
+        for d, guess in self._predicted.pop(layer, {}).items():
+            tp = len(guess & actual)
+            row = self.prediction[d]
+            row[0] += tp
+            row[1] += len(guess)
+            row[2] += len(actual)
+
+    def prediction_stats(self):
+        """Recall and precision of the prediction, per depth."""
+        out = {}
+        for d, (tp, predicted, actual) in enumerate(self.prediction):
+            if actual:
+                out[d] = {
+                    "recall": tp / actual,
+                    "precision": tp / predicted if predicted else 0.0,
+                }
+        return out
 
     def experts(self, layer, wanted):
         """Arrays of each wanted expert, in order; fetches the missing ones."""
         keys = [(layer, int(e)) for e in wanted]
+        if self._predicted:
+            self._score(layer, {k[1] for k in keys})
         missing = [k[1] for k in keys if k not in self.cache]
         self.stats["hits"] += len(keys) - len(missing)
         self.stats["misses"] += len(missing)
@@ -111,6 +166,9 @@ class ExpertStore:
                     self.stats["fetched_bytes"] += layout.record_bytes
             finally:
                 self.source.release(layer, missing)
+        if self.depth:
+            # what was prefetched for this layer and not used is dropped now
+            self.source.cancel(layer)
         return [self.cache.lookup(k) for k in keys]
 
 
@@ -142,7 +200,11 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x, indices):
         # Reading the routed ids forces evaluation up to the router: inherent
-        # to streaming, and the only sync per MoE layer.
+        # to streaming, and the only sync per MoE layer. The next layers'
+        # guesses are evaluated in the same sync.
+        guesses = self._store.predict(self._layout.layer, x) if self._store.depth else []
+        mx.eval(indices, *[g[2] for g in guesses])
+        self._store.prefetch(guesses)
         ids = np.array(indices)
         unique = np.unique(ids)
         arrays = self._store.experts(self._layout.layer, unique)
@@ -174,6 +236,15 @@ def _resolve(model, path):
     return obj, parts[-1]
 
 
+def _router(block):
+    """(router module, top k) of an MoE block, found by mlx-lm's names."""
+    router = block.get("gate") if "gate" in block else block.get("router")
+    k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
+    if router is None or k is None or not callable(router):
+        return None
+    return router, int(k)
+
+
 def patch_model(model, manifest, store, root=None):
     """Replace every expert module named in the manifest by a streaming one.
 
@@ -181,6 +252,7 @@ def patch_model(model, manifest, store, root=None):
     part of ``model`` (an MTP head, for instance) are left for their owner.
     """
     patched = []
+    routers = dict(store.routers)
     for layout in manifest.layers:
         found = _resolve(root or model, layout.module)
         if found is None:
@@ -188,4 +260,8 @@ def patch_model(model, manifest, store, root=None):
         parent, name = found
         parent[name] = StreamingExperts(parent[name], layout, store)
         patched.append(layout.layer)
+        router = _router(parent)
+        if router is not None:
+            routers[layout.layer] = router
+    store.set_routers(routers)
     return patched
