@@ -22,6 +22,14 @@ class DecodeError(ValueError):
     pass
 
 
+class UnknownKind(DecodeError):
+    """The kind byte names no message."""
+
+
+class TooLarge(DecodeError):
+    """The body or one of its lists/strings exceeds the codec's limits."""
+
+
 def _no_ext(code, data):
     raise DecodeError(f"msgpack ExtType {code} refused")
 
@@ -30,6 +38,10 @@ def encode(msg) -> list:
     kind = _KIND_OF[type(msg)]
     body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
     return [bytes([kind]), msgpack.packb(body, use_bin_type=True)]
+
+
+def kind_of(msg) -> int:
+    return _KIND_OF[type(msg)]
 
 
 def decode(frames) -> object:
@@ -42,9 +54,9 @@ def decode(frames) -> object:
     try:
         kind = MsgKind(kind_frame[0])
     except ValueError:
-        raise DecodeError(f"unknown message kind {kind_frame[0]}") from None
+        raise UnknownKind(f"unknown message kind {kind_frame[0]}") from None
     if len(body) > MAX_MESSAGE_BYTES:
-        raise DecodeError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        raise TooLarge(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         fields = msgpack.unpackb(
             body,
@@ -58,6 +70,10 @@ def decode(frames) -> object:
         )
     except DecodeError:
         raise
+    except ValueError as e:
+        if "exceeds max" in str(e):
+            raise TooLarge(f"msgpack body: {e}") from None
+        raise DecodeError(f"bad msgpack body: {type(e).__name__}") from None
     except Exception as e:
         raise DecodeError(f"bad msgpack body: {type(e).__name__}") from None
     cls = MESSAGE_TYPES[kind]

@@ -35,6 +35,7 @@ class MsgKind(IntEnum):
     # notifications (daemon -> client)
     READY = 64
     SHUTDOWN = 65
+    PREFETCH_FAILED = 66
 
 
 class ErrorCode(IntEnum):
@@ -54,6 +55,7 @@ class ErrorCode(IntEnum):
     BAD_SLOT = 14
     PERMISSION = 15
     INTERNAL = 16
+    QUEUE_FULL = 17
 
 
 # A slot reference: where one expert record lies in the arena.
@@ -173,6 +175,18 @@ class Shutdown:
     reason: str
 
 
+@dataclass(frozen=True)
+class PrefetchFailed:
+    """A prefetched record could not be read; the session holds no pin on
+    it and a later request reads it again."""
+
+    model_id: int
+    layer: int
+    expert: int
+    code: int
+    message: str
+
+
 MESSAGE_TYPES = {
     MsgKind.HELLO: Hello,
     MsgKind.PREFETCH: Prefetch,
@@ -188,6 +202,7 @@ MESSAGE_TYPES = {
     MsgKind.STATS_OK: StatsOk,
     MsgKind.READY: Ready,
     MsgKind.SHUTDOWN: Shutdown,
+    MsgKind.PREFETCH_FAILED: PrefetchFailed,
 }
 
 REQUEST_KINDS = frozenset(

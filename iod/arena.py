@@ -1,0 +1,172 @@
+"""The daemon's side of the shared-memory arena: slots, pins and eviction.
+
+Slots move FREE -> FILLING -> READY; a READY slot is pinned by a set of
+sessions, and an unpinned READY slot sits in an LRU from which it is evicted
+when a read needs room. A pinned or FILLING slot is never reused.
+
+The slot header in shared memory is written with the record's identity, and
+then its ``generation`` is published with a release store; a fill first
+zeroes the generation, so a client holding a stale reference sees a mismatch.
+Only the daemon's main thread touches this object; reader threads write
+slot data only, into slots this object handed out as FILLING.
+"""
+
+import mmap
+import os
+from collections import OrderedDict
+
+import native
+from shared import slots as S
+
+
+class Slot:
+    __slots__ = ("index", "state", "key", "generation", "pins", "size")
+
+    def __init__(self, index):
+        self.index = index
+        self.state = S.FREE
+        self.key = None  # (model_id, layer, expert)
+        self.generation = 0
+        self.pins = set()  # session ids
+        self.size = 0
+
+
+class Arena:
+    """A POSIX shm segment of ``size`` bytes; slots are laid out once the
+    slot size is known (``layout``)."""
+
+    def __init__(self, name: str, size: int):
+        self.name = name
+        self.size = size
+        fd = native.shm_create(name, size)
+        try:
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self.mm)
+        self.slot_size = 0
+        self.slot_count = 0
+        self.data_offset = 0
+        self.slots = []
+        self.free = []
+        self.lru = OrderedDict()  # slot index -> None, oldest first
+        self.index = {}  # key -> slot index, READY or FILLING
+        self._next_generation = 1
+        self.evictions = 0
+
+    @property
+    def laid_out(self) -> bool:
+        return self.slot_size > 0
+
+    def layout(self, slot_size: int) -> None:
+        slot_size = S.round_up(slot_size, S.PAGE)
+        count = S.slot_count_for(self.size, slot_size)
+        if S.arena_bytes(slot_size, count) > self.size:
+            raise ValueError(f"arena of {self.size} bytes cannot hold one slot of {slot_size}")
+        self.slot_size, self.slot_count = slot_size, count
+        self.data_offset = S.data_offset(count)
+        S.ARENA_HEADER.pack_into(
+            self.buf, 0, S.ARENA_MAGIC, S.ARENA_VERSION, slot_size, count, self.data_offset, os.getpid()
+        )
+        self.slots = [Slot(i) for i in range(count)]
+        self.free = list(range(count - 1, -1, -1))
+
+    def data(self, slot: int, n: int) -> memoryview:
+        off = self.data_offset + slot * self.slot_size
+        return self.buf[off : off + n]
+
+    def lookup(self, key):
+        i = self.index.get(key)
+        return None if i is None else self.slots[i]
+
+    def allocate(self, key):
+        """A slot for ``key`` in FILLING state, evicting the least recently
+        used unpinned READY slot if needed; None when all are pinned or filling."""
+        if self.free:
+            i = self.free.pop()
+        elif self.lru:
+            i, _ = self.lru.popitem(last=False)
+            old = self.slots[i]
+            del self.index[old.key]
+            self.evictions += 1
+        else:
+            return None
+        s = self.slots[i]
+        native.store_release_u64(self.buf, S.header_offset(i) + S.GENERATION_OFFSET, 0)
+        s.state, s.key, s.generation, s.size = S.FILLING, key, 0, 0
+        self.index[key] = i
+        return s
+
+    def publish(self, s: Slot, size: int, checksum: int) -> None:
+        """FILLING -> READY: header fields first, then the generation with a release store."""
+        gen = self._next_generation
+        self._next_generation += 1
+        model_id, layer, expert = s.key
+        off = S.header_offset(s.index)
+        S.SLOT_HEADER.pack_into(self.buf, off, S.READY, model_id, layer, expert, 0, checksum, size)
+        native.store_release_u64(self.buf, off + S.GENERATION_OFFSET, gen)
+        s.state, s.generation, s.size = S.READY, gen, size
+        if not s.pins:
+            self.lru[s.index] = None
+
+    def abandon(self, s: Slot) -> None:
+        """A failed fill: FILLING -> FREE."""
+        del self.index[s.key]
+        S.SLOT_HEADER.pack_into(self.buf, S.header_offset(s.index), S.FREE, 0, 0, 0, 0, 0, 0)
+        s.state, s.key, s.generation, s.size = S.FREE, None, 0, 0
+        self.free.append(s.index)
+
+    def pin(self, s: Slot, session: int) -> bool:
+        """Pin a READY slot for a session; False when it already held it."""
+        if session in s.pins:
+            return False
+        s.pins.add(session)
+        self.lru.pop(s.index, None)
+        return True
+
+    def unpin(self, s: Slot, session: int) -> bool:
+        if session not in s.pins:
+            return False
+        s.pins.discard(session)
+        if not s.pins and s.state == S.READY:
+            self.lru[s.index] = None  # most recently used end
+        return True
+
+    def touch(self, s: Slot) -> None:
+        if s.index in self.lru:
+            self.lru.move_to_end(s.index)
+
+    def counts(self) -> dict:
+        out = {"free": 0, "filling": 0, "ready_pinned": 0, "evictable": 0}
+        for s in self.slots:
+            if s.state == S.FREE:
+                out["free"] += 1
+            elif s.state == S.FILLING:
+                out["filling"] += 1
+            elif s.pins:
+                out["ready_pinned"] += 1
+            else:
+                out["evictable"] += 1
+        return out
+
+    def check(self) -> None:
+        """Invariants (tests): index, free list and LRU agree with slot states."""
+        assert len(self.free) == len(set(self.free))
+        for s in self.slots:
+            if s.state == S.FREE:
+                assert s.index in self.free and not s.pins and s.index not in self.lru
+            else:
+                assert self.index[s.key] == s.index
+                assert s.index not in self.free
+                in_lru = s.index in self.lru
+                assert in_lru == (s.state == S.READY and not s.pins), s.index
+        assert len(self.index) == sum(1 for s in self.slots if s.state != S.FREE)
+
+    def close(self, unlink: bool = True) -> None:
+        try:
+            self.buf.release()
+            self.mm.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process
+        if unlink:
+            native.shm_unlink(self.name)

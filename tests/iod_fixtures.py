@@ -1,0 +1,166 @@
+"""Fake prep folders for iod tests and benchmarks, built directly with shared.blob.
+
+A fake model is a manifest plus one blob file per layer holding random
+record bytes with correct checksums; no real weights are involved.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from shared.blob import Manifest, plan_layer, record_checksum
+
+DEFAULT_RECORDS = (40_000, 130_000, 300_000)  # record bytes per layer
+
+
+def make_prep(folder, records=DEFAULT_RECORDS, num_experts=16, seed=0) -> Manifest:
+    """Write a fake prep folder: layer i has ``num_experts`` records of
+    ``records[i]`` random bytes. Returns the manifest."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    layers = []
+    for i, nbytes in enumerate(records):
+        layout = plan_layer(
+            i, f"model.layers.{i}.mlp.switch_mlp",
+            [("blob", "weight", "uint8", [nbytes], 1, num_experts)],
+        )
+        with open(folder / layout.file, "wb") as f:
+            for e in range(num_experts):
+                data = rng.integers(0, 256, layout.record_bytes, dtype=np.uint8).tobytes()
+                layout.checksums.append(f"{record_checksum(i, e, data):016x}")
+                f.write(data + bytes(layout.stride - layout.record_bytes))
+        layers.append(layout)
+    manifest = Manifest(model_type="fake", layers=layers)
+    manifest.save(folder)
+    return manifest
+
+
+def record_bytes(folder, layout, expert) -> bytes:
+    """The record as the blob file holds it (plain buffered read)."""
+    with open(Path(folder) / layout.file, "rb") as f:
+        return os.pread(f.fileno(), layout.record_bytes, expert * layout.stride)
+
+
+# ---- live daemons for tests -------------------------------------------------------
+
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+
+def short_dir(prefix="iodt-") -> Path:
+    """A fresh 0700 folder with a short path (AF_UNIX paths are limited)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+class LiveDaemon:
+    """``iod start --foreground`` as a child process, ready when constructed."""
+
+    def __init__(self, folder=None, args=(), env=None):
+        from iod.cli import spawn
+
+        self.folder = Path(folder or short_dir())
+        self.socket = self.folder / "iod.sock"
+        e = dict(os.environ)
+        e.update(env or {})
+        self.log = self.folder / "iod.log"
+        self.proc, self.pid = spawn(self.socket, list(args), log=self.log, env=e)
+
+    def shm_name(self) -> str:
+        return (self.folder / "arena.name").read_text().strip()
+
+    def stop(self, timeout=10) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def logtext(self) -> str:
+        try:
+            return self.log.read_text()
+        except OSError:
+            return ""
+
+
+class Raw:
+    """A bare DEALER for protocol tests: send any frames, read replies."""
+
+    def __init__(self, sock):
+        import zmq
+
+        self.zmq = zmq
+        self.ctx = zmq.Context(1)
+        self.s = self.ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(f"ipc://{sock}")
+        self.next = 100
+
+    def req(self):
+        self.next += 1
+        return self.next
+
+    def send(self, msg):
+        from shared import codec
+
+        self.s.send_multipart(codec.encode(msg))
+
+    def send_frames(self, frames):
+        self.s.send_multipart(frames)
+
+    def recv(self, timeout=10.0):
+        from shared import codec
+
+        if not self.s.poll(int(timeout * 1000)):
+            raise TimeoutError("no message from iod")
+        return codec.decode(self.s.recv_multipart())
+
+    def rt(self, msg, timeout=10.0):
+        """Send, then return the terminal reply to it (notifications kept in .notes)."""
+        self.send(msg)
+        return self.until(msg.req_id, timeout)
+
+    def until(self, req_id, timeout=10.0):
+        self.notes = getattr(self, "notes", [])
+        while True:
+            m = self.recv(timeout)
+            if getattr(m, "req_id", None) == req_id:
+                return m
+            self.notes.append(m)
+
+    def hello(self, model_dir, pid=None):
+        from shared import protocol as P
+
+        return self.rt(P.Hello(self.req(), P.PROTOCOL_VERSION, pid or os.getpid(), str(model_dir)))
+
+    def close(self):
+        self.s.close()
+        self.ctx.term()
+
+
+def wait_for(cond, timeout=10.0, what="condition"):
+    """Poll ``cond`` until true (tests only; no timing thresholds are asserted)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def shm_entries(pid=None):
+    prefix = f"iod.{os.getuid()}."
+    names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    if pid is not None:
+        names = [n for n in names if n.split(".")[2] == str(pid)]
+    return names
+
+
+PY = sys.executable

@@ -1,0 +1,112 @@
+"""IodClient: auto-spawned private daemons, dead-daemon detection, the API."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from infer.client import DaemonDead, IodClient, IodError
+from shared.blob import Manifest
+from tests.iod_fixtures import LiveDaemon, make_prep, record_bytes, shm_entries, short_dir, wait_for
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    make_prep(folder)
+    return folder
+
+
+@pytest.fixture
+def run_dir(monkeypatch):
+    d = short_dir()
+    monkeypatch.setenv("IOD_RUN_DIR", str(d))
+    return d
+
+
+def _children():
+    out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_auto_spawns_and_stops_private_daemon(model, run_dir):
+    before = _children()
+    c = IodClient(model, arena="16M")
+    pid = c.daemon_pid
+    assert pid in _children() - before
+    assert shm_entries(pid)
+    m = Manifest.load(model)
+    views = c.fetch(1, [2, 7])
+    assert bytes(views[7]) == record_bytes(model, m.layer(1), 7)
+    del views
+    c.close()
+    assert pid not in _children()
+    assert not shm_entries(pid)
+    assert list(run_dir.iterdir()) == []  # the private run dir is gone too
+
+
+def test_auto_uses_shared_daemon(model, run_dir):
+    d = LiveDaemon(folder=run_dir, args=["--arena", "16M"])
+    try:
+        with IodClient(model) as c:
+            assert c.daemon_pid == d.pid
+            assert c.stats()["sessions"][0]["pid"] == os.getpid()
+    finally:
+        d.stop()
+
+
+def test_private_daemon_dies_with_sigkilled_parent(model, run_dir):
+    code = textwrap.dedent(f"""
+        import sys
+        from infer.client import IodClient
+        c = IodClient({str(model)!r}, arena="16M")
+        c.fetch(0, [1])
+        print(c.daemon_pid, flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ))
+    pid = int(p.stdout.readline())
+    p.kill()
+    p.wait()
+    wait_for(lambda: not _alive(pid), what="private daemon exit")
+    wait_for(lambda: not shm_entries(pid), what="shm unlinked")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_explicit_socket_without_daemon(model, run_dir):
+    with pytest.raises(DaemonDead) as e:
+        IodClient(model, iod=str(run_dir / "nothing.sock"))
+    assert "\n" not in str(e.value) and "nothing.sock" in str(e.value)
+
+
+def test_daemon_death_is_sticky_and_reconnect_recovers(model, run_dir):
+    c = IodClient(model, arena="16M")
+    c.fetch(0, [0])
+    old = c.daemon_pid
+    os.kill(old, signal.SIGKILL)
+    with pytest.raises(DaemonDead):
+        c.fetch(0, [1])
+    with pytest.raises(DaemonDead):
+        c.prefetch(0, [2])
+    c.reconnect()
+    assert c.daemon_pid != old
+    m = Manifest.load(model)
+    assert bytes(c.fetch(0, [1])[1]) == record_bytes(model, m.layer(0), 1)
+    c.close()
+    assert not shm_entries(old)  # swept? the private dir of the old one is gone
