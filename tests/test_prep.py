@@ -1,0 +1,238 @@
+"""`infer prep`: byte-exact records, unchanged resident weights, refusals, resume, memory."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from infer.prep import main as prep_main
+from shared.blob import Manifest, read_record, verify_record
+
+CASES = [
+    ("qwen3_moe", "affine4"),
+    ("qwen3_moe", "affine8"),
+    ("qwen3_next", "affine4"),
+    ("mixtral", "affine4"),
+    ("gpt_oss", "mxfp4"),
+    ("deepseek_v3", "affine4"),
+]
+
+
+def raw(a: mx.array) -> bytes:
+    """Bytes of an MLX array, bfloat16 included (viewed as uint16)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.array(a).tobytes()
+
+
+def load_all(folder: Path, pattern: str):
+    out = {}
+    for f in sorted(folder.glob(pattern)):
+        out.update(mx.load(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("arch,quant", CASES)
+def test_records_and_resident_match_source(arch, quant, synth_model, prep_model):
+    src = synth_model(arch, quant)
+    dst = prep_model(arch, quant)
+    manifest = Manifest.load(dst)
+    source = load_all(src, "model*.safetensors")
+    mtp_source = load_all(src, "mtp.safetensors")
+    expert_keys = set()
+    for layout in manifest.layers:
+        tensors = mtp_source if layout.module.startswith("mtp.") else source
+        assert layout.stride % 4096 == 0 and layout.stride >= layout.record_bytes
+        assert (dst / layout.file).stat().st_size == layout.num_experts * layout.stride
+        for seg in layout.segments:
+            key = f"{layout.module}.{seg.projection}.{seg.tensor}"
+            expert_keys.add(key)
+            assert tensors[key].shape[0] == layout.num_experts
+            assert list(tensors[key].shape[1:]) == seg.shape
+        for e in range(layout.num_experts):
+            rec = read_record(dst, layout, e)
+            assert verify_record(layout, e, rec)
+            for seg in layout.segments:
+                want = raw(tensors[f"{layout.module}.{seg.projection}.{seg.tensor}"][e])
+                assert rec[seg.offset : seg.offset + seg.nbytes] == want, (layout.layer, e, seg)
+            # padding is zero
+            with open(dst / layout.file, "rb") as f:
+                pad = os.pread(f.fileno(), layout.stride - layout.record_bytes, e * layout.stride + layout.record_bytes)
+            assert pad == bytes(len(pad))
+
+    resident = load_all(dst, "model*.safetensors")
+    assert set(resident) == set(source) - expert_keys
+    for k, v in resident.items():
+        assert v.dtype == source[k].dtype and v.shape == source[k].shape and raw(v) == raw(source[k]), k
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+
+    if arch == "qwen3_next":
+        mtp_layers = [l for l in manifest.layers if l.module.startswith("mtp.")]
+        cfg = json.loads((src / "config.json").read_text())
+        assert [l.layer for l in mtp_layers] == [cfg["num_hidden_layers"]]
+        assert mtp_layers[0].module == "mtp.layers.0.mlp.switch_mlp"
+        mtp_resident = load_all(dst, "mtp.safetensors")
+        assert set(mtp_resident) == set(mtp_source) - expert_keys
+        assert "mtp.fc.weight" in mtp_resident and "mtp.layers.0.mlp.shared_expert_gate.weight" in mtp_resident
+        for k, v in mtp_resident.items():
+            assert raw(v) == raw(mtp_source[k])
+    else:
+        assert not (dst / "mtp.safetensors").exists()
+
+
+def test_manifest_describes_quantization(prep_model):
+    m = Manifest.load(prep_model("gpt_oss"))
+    l = m.layers[0]
+    assert l.module == "model.layers.0.mlp.experts"
+    assert l.quantization["gate_proj"] == {"mode": "mxfp4", "bits": 4, "group_size": 32}
+    tensors = [(s.projection, s.tensor, s.dtype) for s in l.segments]
+    assert tensors[:3] == [("gate_proj", "weight", "uint32"), ("gate_proj", "scales", "uint8"), ("gate_proj", "bias", "float32")]
+    m = Manifest.load(prep_model("qwen3_moe", "affine8"))
+    assert m.layers[0].quantization["down_proj"] == {"mode": "affine", "bits": 8, "group_size": 64}
+    m = Manifest.load(prep_model("deepseek_v3"))
+    assert [l.layer for l in m.layers] == [1, 2, 3]  # first layer dense
+
+
+def test_bfloat16_source(synth_model, tmp_path):
+    src = synth_model("mixtral", dtype="bfloat16", layers=2)
+    dst = tmp_path / "out"
+    assert prep_main(["--model", str(src), "--out", str(dst), "--no-progress"]) == 0
+    m = Manifest.load(dst)
+    assert {s.dtype for s in m.layers[0].segments} == {"uint32", "bfloat16"}
+    source = load_all(src, "model*.safetensors")
+    l = m.layers[1]
+    rec = read_record(dst, l, 5)
+    for s in l.segments:
+        assert rec[s.offset : s.offset + s.nbytes] == raw(source[f"{l.module}.{s.projection}.{s.tensor}"][5])
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def refuse(argv, capsys):
+    assert prep_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("infer prep: "), err
+    return err[0]
+
+
+def test_refuses_non_model_folder(tmp_path, capsys):
+    (tmp_path / "src").mkdir()
+    out = tmp_path / "out"
+    assert "not a model folder" in refuse(["--model", str(tmp_path / "src"), "--out", str(out)], capsys)
+    assert "not a model folder" in refuse(["--model", str(tmp_path / "nope"), "--out", str(out)], capsys)
+    assert not out.exists()
+
+
+def test_refuses_dense_model(tmp_path, capsys, synth_model):
+    src = tmp_path / "dense"
+    src.mkdir()
+    config = {
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6,
+        "vocab_size": 64, "rope_theta": 1e6, "max_position_embeddings": 512, "tie_word_embeddings": True,
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(src / "model.safetensors"), {"model.embed_tokens.weight": mx.zeros((64, 64))})
+    out = tmp_path / "out"
+    assert "no MoE layers" in refuse(["--model", str(src), "--out", str(out)], capsys)
+    assert not out.exists()
+
+
+def _requantized_copy(src: Path, dst: Path, bits: int, group_size: int = 64):
+    """Copy of ``src`` whose experts are re-quantized to ``bits``."""
+    shutil.copytree(src, dst)
+    w = mx.load(str(dst / "model.safetensors"))
+    for k in [k for k in w if ".switch_mlp." in k and k.endswith(".weight")]:
+        p = k[: -len(".weight")]
+        full = mx.dequantize(w[k], w[p + ".scales"], w[p + ".biases"], group_size=64, bits=4)
+        w[k], w[p + ".scales"], w[p + ".biases"] = mx.quantize(full, group_size, bits)
+    mx.save_safetensors(str(dst / "model.safetensors"), w)
+
+
+def test_refuses_unsupported_quantization(tmp_path, capsys, synth_model):
+    src = tmp_path / "q3"
+    _requantized_copy(synth_model("qwen3_moe"), src, bits=3)
+    out = tmp_path / "out"
+    msg = refuse(["--model", str(src), "--out", str(out)], capsys)
+    assert "unsupported quantization affine 3-bit" in msg
+    assert not out.exists()
+
+
+def test_refuses_non_empty_out_without_force(tmp_path, capsys, synth_model):
+    src = synth_model("qwen3_moe")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert "not empty" in refuse(["--model", str(src), "--out", str(out)], capsys)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert prep_main(["--model", str(src), "--out", str(out), "--force", "--no-progress"]) == 0
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+
+
+def test_usage_error_exits_2():
+    with pytest.raises(SystemExit) as e:
+        prep_main(["--model"])
+    assert e.value.code == 2
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+
+def test_resume_keeps_good_layers_and_rewrites_bad(tmp_path, synth_model, capsys):
+    src = synth_model("qwen3_moe")
+    out = tmp_path / "out"
+    assert prep_main(["--model", str(src), "--out", str(out), "--no-progress"]) == 0
+    m = Manifest.load(out)
+    # simulate an interrupted run: one layer corrupt, one missing, no manifest yet
+    with open(out / m.layers[1].file, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xfe")
+    (out / m.layers[2].file).unlink()
+    (out / "manifest.json").rename(out / "manifest.partial.json")
+    before = (out / m.layers[0].file).stat().st_mtime_ns
+    capsys.readouterr()
+    assert prep_main(["--model", str(src), "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert f"({len(m.layers) - 2} kept by --resume)" in capsys.readouterr().out
+    assert (out / m.layers[0].file).stat().st_mtime_ns == before
+    assert Manifest.load(out).to_json() == m.to_json()
+    assert not (out / "manifest.partial.json").exists()
+    assert not list(out.glob("*.tmp"))
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def test_peak_rss_bounded(tmp_path, monkeypatch):
+    """Prep a model with ~300 MB of experts in a subprocess: its peak RSS must stay
+    near the fixed overhead plus one layer, far below the model's size."""
+    from infer import synth, synth_presets
+
+    size = dict(synth_presets.SIZES["tiny"], hidden=1024, moe_inter=512, experts=32, layers=5, top_k=2, vocab=256)
+    monkeypatch.setitem(synth_presets.SIZES, "membound", size)
+    monkeypatch.setattr(synth_presets, "PRESETS", synth_presets.PRESETS + ("membound",))
+    monkeypatch.setattr(synth, "PRESETS", synth_presets.PRESETS + ("membound",))
+    src = tmp_path / "big"
+    assert synth.main(["--arch", "qwen3_moe", "--preset", "membound", "--quant", "affine8", "--out", str(src)]) == 0
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "infer.cli", "prep", "--model", str(src), "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    peak_mb = float(r.stdout.split("peak RSS ")[1].split()[0])
+    m = Manifest.load(out)
+    experts_mb = m.expert_bytes / 1e6
+    layer_mb = max(l.stride * l.num_experts for l in m.layers) / 1e6
+    assert experts_mb > 250  # several times the bound below
+    # fixed overhead (python + mlx + mlx-lm imports, ~80 MB) + one layer
+    assert peak_mb < 100 + layer_mb, (peak_mb, layer_mb, experts_mb)
+    print(f"prep peak RSS {peak_mb:.0f} MB for {experts_mb:.0f} MB of experts ({layer_mb:.0f} MB per layer)")
