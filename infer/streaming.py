@@ -2,10 +2,15 @@
 
 Each expert module of the mlx-lm model is replaced by ``StreamingExperts``,
 which keeps the module's own ``(x, indices) -> y`` contract: it reads the
-routed ids, makes sure the selected experts are in the session cache, builds
-a compact stack of just those experts and runs the original module's code on
-it with the ids remapped into the stack. The math per (token, expert) is the
-same ``gather_qmm`` as with the whole stack, so the output is identical.
+routed ids, makes sure the selected experts are in the layer's stack (the
+session cache), and runs the original module's code on that stack with the
+ids remapped to stack positions. The math per (token, expert) is the same
+``gather_qmm`` as with the whole model in memory, so the output is identical.
+
+The stack of a layer has a fixed number of positions; an expert is copied in
+once, in place, and stays until it is the least recently used one evicted.
+A call that needs more experts than the stack holds (a long prefill with a
+small cache) runs on a temporary compact stack instead.
 """
 
 import time
@@ -30,76 +35,87 @@ _MX_DTYPES = {
 
 
 def record_to_arrays(layout, record):
-    """Copy one expert record into MLX arrays, keyed by (projection, tensor)."""
+    """One expert record as MLX arrays (copied), keyed by (projection, tensor)."""
     out = {}
-    for (proj, tensor), a in layout.split(record).items():
-        seg_dtype = _MX_DTYPES[next(
-            s.dtype for s in layout.segments if s.projection == proj and s.tensor == tensor
-        )]
-        arr = mx.array(a)
-        if arr.dtype != seg_dtype:
-            arr = arr.view(seg_dtype)
-        out[(proj, tensor)] = arr
-    mx.eval(list(out.values()))
+    views = layout.split(record)
+    for s in layout.segments:
+        arr = mx.array(views[(s.projection, s.tensor)])
+        dtype = _MX_DTYPES[s.dtype]
+        out[(s.projection, s.tensor)] = arr if arr.dtype == dtype else arr.view(dtype)
     return out
 
 
-class ExpertCache:
-    """The session's own expert cache: LRU over (layer, expert), bounded in bytes."""
+class LayerStack:
+    """A layer's cached experts, stacked per tensor at fixed positions (LRU)."""
 
-    def __init__(self, capacity_bytes):
-        self.capacity = capacity_bytes
-        self.nbytes = 0
-        self._entries = OrderedDict()
+    def __init__(self, layout, capacity):
+        self.layout = layout
+        self.capacity = capacity
+        self.arrays = {
+            (s.projection, s.tensor): mx.zeros((max(capacity, 1), *s.shape), _MX_DTYPES[s.dtype])
+            for s in layout.segments
+        }
+        self.position = OrderedDict()  # expert -> position, least recent first
+        self._free = list(range(capacity - 1, -1, -1))
 
-    def get(self, key):
-        arrays = self._entries.get(key)
-        if arrays is not None:
-            self._entries.move_to_end(key)
-        return arrays
+    def __contains__(self, expert):
+        return expert in self.position
 
-    def __contains__(self, key):
-        return key in self._entries
+    def touch(self, expert):
+        self.position.move_to_end(expert)
 
-    def put(self, key, arrays, nbytes, keep=()):
-        """Insert, evicting least recently used entries not in ``keep``."""
-        self._entries[key] = (arrays, nbytes)
-        self.nbytes += nbytes
-        if self.nbytes > self.capacity:
-            for old in list(self._entries):
-                if self.nbytes <= self.capacity:
-                    break
-                if old == key or old in keep:
-                    continue
-                self.nbytes -= self._entries.pop(old)[1]
+    def insert(self, expert, arrays, keep):
+        """Copy an expert into a free position or the LRU one not in ``keep``."""
+        if self._free:
+            pos = self._free.pop()
+        else:
+            victim = next((e for e in self.position if e not in keep), None)
+            if victim is None:
+                return False
+            pos = self.position.pop(victim)
+        for key, arr in arrays.items():
+            self.arrays[key][pos] = arr
+        self.position[expert] = pos
+        return True
 
-    def lookup(self, key):
-        entry = self.get(key)
-        return None if entry is None else entry[0]
+    @property
+    def nbytes(self):
+        return self.capacity * self.layout.record_bytes
 
 
 class ExpertStore:
-    """Serves experts to the streaming modules: cache first, then the source.
+    """Serves experts to the streaming modules: layer stacks first, then the source.
 
     ``source`` is an ``infer.client.IodClient`` (or a local source with the
     same ``fetch / release / prefetch / cancel`` methods, used by benchmarks).
-    With ``depth > 0`` each MoE layer also predicts the experts of the next
-    ``depth`` layers by applying their routers to its own input, and asks the
-    source to prefetch the ones not cached.
+    ``cache_bytes`` is split evenly over the layers' stacks. With ``depth > 0``
+    each MoE layer also predicts the experts of the next ``depth`` layers by
+    applying their routers to its own input, and asks the source to prefetch
+    the ones not cached.
     """
 
     def __init__(self, manifest, source, cache_bytes, depth=2):
         self.manifest = manifest
         self.source = source
-        self.cache = ExpertCache(cache_bytes)
+        self.cache_bytes = cache_bytes
         self.layouts = {l.layer: l for l in manifest.layers}
+        self.stacks = {}
         self.depth = depth
         self.routers = {}  # layer -> (router module, top k)
         self.next_layers = {}  # layer -> the MoE layers after it, in order
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
+        self.trace = None  # set to a list to record (layer, experts) per call
         # per depth: [true positives, predicted, actual]
         self.prediction = [[0, 0, 0] for _ in range(depth + 1)]
         self._predicted = {}  # layer -> {depth: set of experts}
+
+    def stack(self, layer):
+        if layer not in self.stacks:
+            layout = self.layouts[layer]
+            share = self.cache_bytes // len(self.layouts)
+            capacity = min(share // layout.record_bytes, layout.num_experts)
+            self.stacks[layer] = LayerStack(layout, capacity)
+        return self.stacks[layer]
 
     def set_routers(self, routers):
         self.routers = routers
@@ -123,15 +139,15 @@ class ExpertStore:
         for layer, d, ids in guesses:
             wanted = set(np.unique(np.array(ids)).tolist())
             self._predicted.setdefault(layer, {})[d] = wanted
-            missing = [e for e in sorted(wanted) if (layer, e) not in self.cache]
+            stack = self.stack(layer)
+            missing = [e for e in sorted(wanted) if e not in stack]
             if missing:
                 self.source.prefetch(layer, missing)
 
     def _score(self, layer, actual):
         for d, guess in self._predicted.pop(layer, {}).items():
-            tp = len(guess & actual)
             row = self.prediction[d]
-            row[0] += tp
+            row[0] += len(guess & actual)
             row[1] += len(guess)
             row[2] += len(actual)
 
@@ -146,30 +162,53 @@ class ExpertStore:
                 }
         return out
 
-    def experts(self, layer, wanted):
-        """Arrays of each wanted expert, in order; fetches the missing ones."""
-        keys = [(layer, int(e)) for e in wanted]
+    def gather(self, layer, wanted):
+        """(arrays, positions): tensors holding every wanted expert, and each
+        expert's position in them."""
+        wanted = [int(e) for e in wanted]
+        if self.trace is not None:
+            self.trace.append((layer, tuple(wanted)))
         if self._predicted:
-            self._score(layer, {k[1] for k in keys})
-        missing = [k[1] for k in keys if k not in self.cache]
-        self.stats["hits"] += len(keys) - len(missing)
+            self._score(layer, set(wanted))
+        stack = self.stack(layer)
+        missing = [e for e in wanted if e not in stack]
+        self.stats["hits"] += len(wanted) - len(missing)
         self.stats["misses"] += len(missing)
-        if missing:
-            layout = self.layouts[layer]
-            tic = time.perf_counter()
-            records = self.source.fetch(layer, missing)
-            self.stats["stall_s"] += time.perf_counter() - tic
-            try:
-                for e in missing:
-                    arrays = record_to_arrays(layout, records[e])
-                    self.cache.put((layer, e), arrays, layout.record_bytes, keep=keys)
-                    self.stats["fetched_bytes"] += layout.record_bytes
-            finally:
-                self.source.release(layer, missing)
+        fetched = self._fetch(layer, missing) if missing else {}
         if self.depth:
             # what was prefetched for this layer and not used is dropped now
             self.source.cancel(layer)
-        return [self.cache.lookup(k) for k in keys]
+
+        for e in wanted:
+            if e in stack:
+                stack.touch(e)
+        keep = set(wanted)
+        placed = all(
+            e in stack or stack.insert(e, fetched[e], keep) for e in wanted
+        )
+        if placed:
+            return stack.arrays, [stack.position[e] for e in wanted]
+        # more experts than the stack holds: a temporary compact stack
+        arrays = {
+            key: mx.stack(
+                [fetched[e][key] if e in fetched else stack.arrays[key][stack.position[e]] for e in wanted]
+            )
+            for key in stack.arrays
+        }
+        return arrays, list(range(len(wanted)))
+
+    def _fetch(self, layer, experts):
+        layout = self.layouts[layer]
+        tic = time.perf_counter()
+        records = self.source.fetch(layer, experts)
+        self.stats["stall_s"] += time.perf_counter() - tic
+        try:
+            out = {e: record_to_arrays(layout, records[e]) for e in experts}
+            mx.eval([a for arrays in out.values() for a in arrays.values()])
+        finally:
+            self.source.release(layer, experts)
+        self.stats["fetched_bytes"] += layout.record_bytes * len(experts)
+        return out
 
 
 def _projection(layout, proj):
@@ -194,27 +233,24 @@ class StreamingExperts(nn.Module):
         self._inner = inner
         self._layout = layout
         self._store = store
-        self._projections = layout.projections
-        for proj in self._projections:
+        for proj in layout.projections:
             setattr(inner, proj, _projection(layout, proj))
 
     def __call__(self, x, indices):
         # Reading the routed ids forces evaluation up to the router: inherent
         # to streaming, and the only sync per MoE layer. The next layers'
         # guesses are evaluated in the same sync.
-        guesses = self._store.predict(self._layout.layer, x) if self._store.depth else []
+        store = self._store
+        guesses = store.predict(self._layout.layer, x) if store.depth else []
         mx.eval(indices, *[g[2] for g in guesses])
-        self._store.prefetch(guesses)
+        store.prefetch(guesses)
         ids = np.array(indices)
         unique = np.unique(ids)
-        arrays = self._store.experts(self._layout.layer, unique)
-        for proj in self._projections:
-            lin = getattr(self._inner, proj)
-            for tensor in ("weight", "scales", "biases", "bias"):
-                if (proj, tensor) in arrays[0]:
-                    setattr(lin, tensor, mx.stack([a[(proj, tensor)] for a in arrays]))
+        arrays, positions = store.gather(self._layout.layer, unique)
+        for (proj, tensor), arr in arrays.items():
+            setattr(getattr(self._inner, proj), tensor, arr)
         lut = np.zeros(self._layout.num_experts, dtype=np.uint32)
-        lut[unique] = np.arange(len(unique), dtype=np.uint32)
+        lut[unique] = positions
         return self._inner(x, mx.array(lut[ids]))
 
 

@@ -7,7 +7,8 @@ from mlx_lm.generate import generate_step
 
 from infer.loader import load_streaming
 from infer.sources import SyncSource
-from infer.streaming import ExpertCache
+from infer.streaming import LayerStack
+from shared.blob import plan_layer
 
 ARCHS = [
     ("qwen3_moe", "affine4"),
@@ -41,7 +42,7 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
     del ref_model
 
     expert_bytes = None
-    for cache_fraction in (1.0, 0.0):
+    for cache_fraction in (1.0, 0.15, 0.0):
         source = SyncSource(prep)
         if expert_bytes is None:
             expert_bytes = source.manifest.expert_bytes
@@ -68,14 +69,24 @@ def test_prediction_is_scored_per_depth(synth_model, prep_model):
     source.close()
 
 
-def test_cache_evicts_least_recently_used():
-    cache = ExpertCache(capacity_bytes=30)
+def _expert(layout, value):
+    return {
+        (seg.projection, seg.tensor): mx.full(seg.shape, value, dtype=mx.uint32)
+        for seg in layout.segments
+    }
+
+
+def test_stack_evicts_least_recently_used_in_place():
+    layout = plan_layer(0, "m", [("fc1", "weight", "uint32", (4, 2), 4, 8)])
+    stack = LayerStack(layout, capacity=3)
     for e in range(3):
-        cache.put((0, e), {"e": e}, 10)
-    assert cache.lookup((0, 0)) == {"e": 0}  # 0 becomes most recent
-    cache.put((0, 3), {"e": 3}, 10)
-    assert (0, 1) not in cache and (0, 0) in cache and (0, 3) in cache
-    # entries the current call needs are kept even past capacity
-    cache.put((0, 4), {"e": 4}, 10, keep=[(0, 0), (0, 2), (0, 3)])
-    assert all((0, e) in cache for e in (0, 2, 3, 4))
-    assert cache.nbytes == 40
+        assert stack.insert(e, _expert(layout, e), keep=())
+    stack.touch(0)  # 0 becomes most recent; 1 is now the LRU one
+    assert stack.insert(3, _expert(layout, 3), keep=())
+    assert 1 not in stack and all(e in stack for e in (0, 2, 3))
+    weights = stack.arrays[("fc1", "weight")]
+    for e in (0, 2, 3):
+        assert (weights[stack.position[e]] == e).all().item()
+    # experts the current call needs are never evicted
+    assert not stack.insert(4, _expert(layout, 4), keep={0, 2, 3})
+    assert 4 not in stack
