@@ -77,3 +77,176 @@ def test_client_bytes_equal(daemon, model):
         st = c.stats()
         assert st["sessions"][0]["pins"] == 0
         assert st["counters"]["reads"] == 48
+
+
+# ---- lock, restart, modes, stop ---------------------------------------------------
+
+def _run_cli(*args, env=None):
+    import subprocess
+    import sys
+    import time
+
+    e = dict(os.environ)
+    e.update(env or {})
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "iod.cli", *args], capture_output=True, text=True,
+                       env=e, timeout=60)
+    return p, time.monotonic() - t
+
+
+def test_second_daemon_refused_naming_pid(daemon):
+    p, took = _run_cli("start", "--socket", str(daemon.socket))
+    assert p.returncode != 0 and str(daemon.pid) in p.stderr, p.stderr
+    p, took_fg = _run_cli("start", "--foreground", "--socket", str(daemon.socket))
+    assert p.returncode != 0 and str(daemon.pid) in p.stderr, p.stderr
+    print(f"refusal took {took:.2f} s detached, {took_fg:.2f} s foreground")
+    st = Raw(daemon.socket).rt(P.Stats(1)).stats
+    assert st["pid"] == daemon.pid  # the first daemon still owns its socket
+
+
+def test_restart_after_sigkill_leaves_nothing_stale(model):
+    d = LiveDaemon(args=["--arena", "16M"])
+    r = Raw(d.socket)
+    r.hello(model)
+    old_shm = d.shm_name()
+    d.kill()
+    assert (d.folder / "iod.sock").exists() and shm_entries(d.pid)  # what a crash leaves
+    d2 = LiveDaemon(folder=d.folder, args=["--arena", "16M"])
+    try:
+        assert not shm_entries(d.pid), f"{old_shm} not swept"
+        r2 = Raw(d2.socket)
+        assert isinstance(r2.hello(model), P.HelloOk)
+        assert r2.rt(P.Stats(r2.req())).stats["pid"] == d2.pid
+    finally:
+        assert d2.stop() == 0
+    assert not shm_entries(d2.pid)
+    assert sorted(p.name for p in d.folder.iterdir()) == ["iod.log"]
+
+
+def test_cli_start_status_stop(model, tmp_path):
+    import json
+
+    from tests.iod_fixtures import short_dir
+
+    folder = short_dir()
+    sock = folder / "iod.sock"
+    p, _ = _run_cli("start", "--socket", str(sock), "--arena", "16M")
+    assert p.returncode == 0, p.stderr
+    pid = int((folder / "iod.lock").read_text())
+    p, _ = _run_cli("status", "--json", "--socket", str(sock))
+    st = json.loads(p.stdout)
+    assert st["pid"] == pid and {"sessions", "models", "arena", "counters", "latency_us"} <= set(st)
+    p, _ = _run_cli("status", "--socket", str(sock))
+    assert p.returncode == 0 and "hits" in p.stdout
+    p, _ = _run_cli("stop", "--socket", str(sock))
+    assert p.returncode == 0, p.stderr
+    assert not shm_entries(pid)
+    assert sorted(x.name for x in folder.iterdir()) == ["iod.log"]
+    p, _ = _run_cli("status", "--socket", str(sock))
+    assert p.returncode != 0 and "not running" in p.stderr
+
+
+def test_modes(daemon, model):
+    import stat
+
+    Raw(daemon.socket).hello(model)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(daemon.folder) == 0o700
+    assert mode(daemon.socket) == 0o600
+    assert mode(daemon.folder / "iod.lock") == 0o600
+    assert mode("/dev/shm" + daemon.shm_name()) == 0o600
+
+
+def test_default_run_dir_is_created_0700(model, monkeypatch):
+    import stat
+
+    from shared import paths
+    from tests.iod_fixtures import short_dir
+
+    base = short_dir()
+    monkeypatch.setenv("IOD_RUN_DIR", str(base / "run"))
+    p, _ = _run_cli("start", "--arena", "16M")
+    assert p.returncode == 0, p.stderr
+    try:
+        assert stat.S_IMODE(os.stat(paths.run_dir()).st_mode) == 0o700
+        assert paths.socket_path().exists()
+    finally:
+        assert _run_cli("stop")[0].returncode == 0
+
+
+# ---- sharing, coalescing, leases ---------------------------------------------------
+
+CLIENT_SCRIPT = """
+import sys
+from infer.client import IodClient
+from shared.blob import Manifest
+from tests.iod_fixtures import record_bytes
+model, sock = sys.argv[1], sys.argv[2]
+m = Manifest.load(model)
+with IodClient(model, iod=sock) as c:
+    for l in m.layers:
+        c.prefetch(l.layer, range(0, l.num_experts, 2))
+        views = c.fetch(l.layer, range(l.num_experts))
+        bad = [e for e, v in views.items() if bytes(v) != record_bytes(model, l, e)]
+        assert not bad, (l.layer, bad)
+        del views
+        c.release(l.layer, range(l.num_experts))
+print("ok")
+"""
+
+
+def test_concurrent_client_processes_get_file_bytes(daemon, model):
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, str(model), str(daemon.socket)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=os.getcwd())
+             for _ in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.strip() == "ok", err
+    st = Raw(daemon.socket).rt(P.Stats(1)).stats
+    assert st["sessions"] == [] and st["arena"]["slots"]["ready_pinned"] == 0
+    # every record read at most once: 32 MiB holds the whole fake model
+    assert st["counters"]["reads"] == 48
+
+
+def test_coalescing_one_read_for_two_sessions(model):
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "2"])
+    try:
+        a, b = Raw(d.socket), Raw(d.socket)
+        ha, hb = a.hello(model), b.hello(model)
+        a.send(P.Acquire(7, ha.model_id, 1, [9], True))
+        b.send(P.Acquire(8, hb.model_id, 1, [9], True))
+        ra, rb = a.until(7), b.until(8)
+        assert ra.slots[0][1:3] == rb.slots[0][1:3]  # the same slot and generation
+        c = a.rt(P.Stats(a.req())).stats["counters"]
+        assert c["reads"] == 1 and c["coalesced"] == 1
+    finally:
+        d.stop()
+
+
+def test_killed_client_releases_pins_others_unaffected(daemon, model):
+    import subprocess
+    import sys
+
+    code = ("import sys; from infer.client import IodClient\n"
+            f"c = IodClient({str(model)!r}, iod={str(daemon.socket)!r})\n"
+            "c.fetch(0, range(8)); c.prefetch(2, range(16)); print('held', flush=True)\n"
+            "sys.stdin.read()\n")
+    other = Raw(daemon.socket)
+    h = other.hello(model)
+    other.rt(P.Acquire(other.req(), h.model_id, 0, [0, 1], True))
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    stats = lambda: other.rt(P.Stats(other.req())).stats  # noqa: E731
+    assert len(stats()["sessions"]) == 2
+    p.kill()
+    p.wait()
+    wait_for(lambda: len(stats()["sessions"]) == 1, what="dead session dropped")
+    st = stats()
+    assert st["sessions"][0]["pins"] == 2 and st["arena"]["slots"]["ready_pinned"] == 2
+    a = other.rt(P.Acquire(other.req(), h.model_id, 1, [3], True))
+    assert isinstance(a, P.AcquireOk)
