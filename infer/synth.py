@@ -242,7 +242,7 @@ def mtp_module(config, args):
 
 
 def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers=None, seed=0,
-               shard_bytes=SHARD_BYTES, log=None) -> dict:
+               shard_bytes=None, log=None) -> dict:
     """Build the model into ``out`` (which must exist and be empty); returns config."""
     config = synth_presets.make_config(arch, preset, layers)
     q = QUANTS[quant]
@@ -251,6 +251,7 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
     config["eos_token_id"] = 2
     config["bos_token_id"] = None
     dt = DTYPES[dtype]
+    shard_bytes = shard_bytes or SHARD_BYTES
 
     mx.random.seed(seed)
     model, args = build_model(config)
@@ -287,7 +288,7 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
                 mplan[path] = {"mode": "affine", **p}
                 config["quantization"][path] = mplan[path]
         mgen = Generator(seed + 1, dt, mplan, router_paths(mtp))
-        mwriter = ShardWriter(out, "mtp", shard_bytes)
+        mwriter = ShardWriter(out, "mtp", 1 << 62)  # always one mtp.safetensors
         for name, a in mgen.tensors(mtp):
             mwriter.add(name, a)
         mwriter.finish()

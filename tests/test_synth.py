@@ -1,0 +1,165 @@
+"""`infer synth`: models load and generate with mlx-lm, same seed same bytes, refusals."""
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from infer import synth_presets
+from infer.synth import main as synth_main
+
+ARCHS = [
+    ("qwen3_moe", "affine4"),
+    ("qwen3_moe", "affine8"),
+    ("qwen3_next", "affine4"),
+    ("mixtral", "affine4"),
+    ("gpt_oss", "mxfp4"),
+    ("deepseek_v3", "affine4"),
+]
+
+
+def files(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("arch,quant", ARCHS)
+def test_loads_and_generates(arch, quant, synth_model):
+    folder = synth_model(arch, quant)
+    model, tokenizer = mlx_lm.load(str(folder))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)
+    assert isinstance(prompt, (list, str))
+    text = mlx_lm.generate(model, tokenizer, prompt, max_tokens=4, verbose=False)
+    assert isinstance(text, str)
+    ids = tokenizer.encode("def f(x): return x")
+    logits = model(mx.array([ids]))
+    assert logits.shape == (1, len(ids), model.args.vocab_size)
+    assert bool(mx.all(mx.isfinite(logits)))
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["quantization"]["bits"] == (8 if quant == "affine8" else 4)
+    assert cfg["torch_dtype"] == "float32"
+
+
+def test_same_seed_same_bytes(synth_model, tmp_path):
+    a = synth_model("qwen3_next")
+    b = tmp_path / "b"
+    assert synth_main(["--arch", "qwen3_next", "--preset", "tiny", "--out", str(b)]) == 0
+    assert files(a) == files(b)
+    c = tmp_path / "c"
+    assert synth_main(["--arch", "qwen3_next", "--preset", "tiny", "--out", str(c), "--seed", "1"]) == 0
+    fa, fc = files(a), files(c)
+    assert fa["tokenizer.json"] == fc["tokenizer.json"]
+    assert fa["model.safetensors"] != fc["model.safetensors"]
+
+
+def test_qwen3_next_mtp_head(synth_model):
+    folder = synth_model("qwen3_next")
+    mtp = mx.load(str(folder / "mtp.safetensors"))
+    for k in [
+        "mtp.fc.weight",
+        "mtp.norm.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.layers.0.input_layernorm.weight",
+        "mtp.layers.0.post_attention_layernorm.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+        "mtp.layers.0.self_attn.q_norm.weight",
+        "mtp.layers.0.self_attn.k_norm.weight",
+        "mtp.layers.0.self_attn.o_proj.scales",
+        "mtp.layers.0.mlp.gate.weight",
+        "mtp.layers.0.mlp.shared_expert.down_proj.weight",
+        "mtp.layers.0.mlp.shared_expert_gate.weight",
+        "mtp.layers.0.mlp.switch_mlp.gate_proj.weight",
+        "mtp.layers.0.mlp.switch_mlp.gate_proj.scales",
+        "mtp.layers.0.mlp.switch_mlp.down_proj.biases",
+    ]:
+        assert k in mtp, k
+    cfg = json.loads((folder / "config.json").read_text())
+    E = cfg["num_experts"]
+    assert mtp["mtp.layers.0.mlp.switch_mlp.up_proj.weight"].shape[0] == E
+    assert mtp["mtp.fc.weight"].dtype == mx.uint32  # quantized like the main model
+    # the router is 8-bit, as mlx-lm's quant_predicate wants it
+    assert cfg["quantization"]["mtp.layers.0.mlp.gate"]["bits"] == 8
+    assert not any(k.startswith("mtp.") for k in mx.load(str(folder / "model.safetensors")))
+
+
+def test_gpt_oss_features(synth_model):
+    folder = synth_model("gpt_oss")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["quantization"]["mode"] == "mxfp4"
+    assert "sliding_attention" in cfg["layer_types"] and "full_attention" in cfg["layer_types"]
+    w = mx.load(str(folder / "model.safetensors"))
+    assert w["model.layers.0.mlp.experts.gate_proj.scales"].dtype == mx.uint8
+    assert w["model.layers.0.mlp.experts.gate_proj.bias"].ndim == 2
+    assert "model.layers.0.self_attn.sinks" in w
+
+
+def test_deepseek_first_layer_dense(synth_model):
+    w = mx.load(str(synth_model("deepseek_v3") / "model.safetensors"))
+    assert "model.layers.0.mlp.gate_proj.weight" in w
+    assert not any(k.startswith("model.layers.0.mlp.switch_mlp") for k in w)
+    assert "model.layers.1.mlp.switch_mlp.gate_proj.weight" in w
+
+
+def test_bfloat16_and_layers(synth_model):
+    folder = synth_model("qwen3_moe", dtype="bfloat16", layers=2)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["torch_dtype"] == "bfloat16"
+    w = mx.load(str(folder / "model.safetensors"))
+    assert w["model.layers.1.mlp.switch_mlp.up_proj.scales"].dtype == mx.bfloat16
+    assert w["model.norm.weight"].dtype == mx.bfloat16
+    assert not any(k.startswith("model.layers.2.") for k in w)
+
+
+def test_real_presets_have_real_dimensions():
+    c = synth_presets.make_config(None, "qwen3-30b-a3b", layers=2)
+    assert (c["hidden_size"], c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]) == (2048, 128, 8, 768)
+    assert c["num_hidden_layers"] == 2
+    c = synth_presets.make_config("qwen3_next", "qwen3-next-80b-a3b")
+    assert (c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"], c["num_hidden_layers"]) == (512, 10, 512, 48)
+    with pytest.raises(ValueError):
+        synth_presets.make_config("mixtral", "qwen3-30b-a3b")
+
+
+def test_sharded_output_loads(tmp_path, monkeypatch):
+    from infer import synth
+
+    monkeypatch.setattr(synth, "SHARD_BYTES", 400_000)
+    out = tmp_path / "sharded"
+    assert synth.main(["--arch", "mixtral", "--preset", "tiny", "--out", str(out), "--layers", "3"]) == 0
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    model, tok = mlx_lm.load(str(out))
+    assert model(mx.array([[1, 2, 3]])).shape[-1] == model.args.vocab_size
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--arch", "llama", "--preset", "tiny"], "unknown arch"),
+        (["--arch", "qwen3_moe", "--preset", "huge"], "unknown preset"),
+        (["--arch", "gpt_oss", "--preset", "tiny", "--quant", "affine4"], "mxfp4 only"),
+        (["--arch", "qwen3_moe", "--preset", "tiny", "--quant", "affine3"], "unknown quantization"),
+        (["--arch", "qwen3_moe", "--preset", "tiny", "--dtype", "float16"], "unknown dtype"),
+        (["--arch", "mixtral", "--preset", "qwen3-30b-a3b"], "is a qwen3_moe model"),
+        (["--preset", "tiny"], "--arch is required"),
+    ],
+)
+def test_refusals(argv, msg, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert synth_main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("infer synth: ") and msg in err[0], err
+    assert not out.exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_refuses_non_empty_out(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("keep")
+    assert synth_main(["--arch", "qwen3_moe", "--preset", "tiny", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["x"]
