@@ -1,0 +1,486 @@
+"""Speculative decoding under streaming: draft K tokens, verify them in one pass.
+
+A drafter (n-gram prompt lookup, or Qwen3-Next's MTP head) proposes K tokens;
+the target model scores ``[last token] + drafts`` in one verify pass, the
+longest prefix that matches the target's greedy choice is committed plus the
+target's own next token, and the caches are rolled back to the last accepted
+token. Greedy (temperature 0) only.
+
+Two verify modes:
+
+- ``exact=True`` (default): the K+1 tokens go through the model as K+1
+  one-token forward passes, run in lockstep layer by layer (one thread per
+  token, only one running at a time). At every MoE layer the experts of all
+  K+1 tokens are fetched together, as one union request, and then each token
+  computes with exactly the shapes and cache contents of plain one-token
+  decoding, so its logits are bit-identical to non-speculative decoding by
+  construction. It saves reads and round trips (the union is fetched once,
+  the IO of K+1 tokens is merged), not compute.
+- ``exact=False``: one batched forward pass over the K+1 tokens. Cheaper in
+  compute, but a kernel may accumulate differently for M>1 rows than for one,
+  so it is not exact by construction (see docs/speculative.md for the measured
+  mismatch rate).
+
+Rollback: attention KV caches are trimmed; the Gated-DeltaNet conv and
+recurrent state (``ArraysCache``, not trimmable) is restored from the
+per-token snapshot taken during the exact verify, or, in batched mode, from
+the snapshot before the pass, with the accepted tokens fed again at the head
+of the next pass.
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from .ngram import NgramDrafter
+
+DRAFTS = ("none", "ngram", "mtp", "auto")
+
+
+class _RecordingArraysCache(ArraysCache):
+    """ArraysCache that keeps its state after each advance while recording."""
+
+    history = None
+
+    def advance(self, N):
+        super().advance(N)
+        if self.history is not None:
+            self.history.append((N, list(self.cache)))
+
+
+def make_cache(model):
+    """The model's prompt cache, with recurrent caches that can be rolled back."""
+    cache = make_prompt_cache(model)
+    for c in cache:
+        if type(c) is ArraysCache:
+            c.__class__ = _RecordingArraysCache
+    return cache
+
+
+def _trimmable(c):
+    return not isinstance(c, ArraysCache) and c.is_trimmable()
+
+
+class CacheCheckpoint:
+    """The cache state before a pass, and the way back to any token of it."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.offsets = [None if isinstance(c, ArraysCache) else c.offset for c in cache]
+        self.arrays = {}
+        for i, c in enumerate(cache):
+            if isinstance(c, ArraysCache):
+                self.arrays[i] = list(c.cache)
+                c.history = []
+
+    def stop(self):
+        for i in self.arrays:
+            self.cache[i].history = None
+
+    def rollback(self, keep):
+        """Keep the first ``keep`` tokens fed since the checkpoint.
+
+        Returns False when a recurrent state cannot be placed after exactly
+        ``keep`` tokens (a batched pass); the cache is then back at the
+        checkpoint and the caller feeds the kept tokens again.
+        """
+        exact = True
+        for i, c in enumerate(self.cache):
+            if i not in self.arrays:
+                continue
+            steps, done = list(c.history or []), 0
+            c.history = None
+            if keep == 0:
+                c.cache = list(self.arrays[i])
+                continue
+            for n, state in steps:
+                done += n
+                if done == keep:
+                    c.cache = list(state)
+                    break
+            else:
+                exact = False
+        for i, c in enumerate(self.cache):
+            if self.offsets[i] is not None:
+                target = self.offsets[i] + (keep if exact else 0)
+                c.trim(c.offset - target)
+        if not exact:
+            for i, c in enumerate(self.cache):
+                if i in self.arrays:
+                    c.cache = list(self.arrays[i])
+        return exact
+
+
+def _greedy(logits):
+    """Greedy ids of each row, computed per row exactly as mlx-lm's
+    generate_step does for its one-token steps (logprobs, then argmax)."""
+    out = []
+    for j in range(logits.shape[1]):
+        row = logits[:, j, :]
+        logprobs = row - mx.logsumexp(row, keepdims=True)
+        out.append(mx.argmax(logprobs, axis=-1))
+    return out
+
+
+class _Forward:
+    """Target-model forward returning logits and, if asked, the hidden states."""
+
+    def __init__(self, model, want_hidden):
+        self.model = model
+        self.want_hidden = want_hidden
+
+    def __call__(self, inputs, cache):
+        m = self.model
+        if not self.want_hidden:
+            return m(inputs, cache=cache), None
+        h = m.model(inputs, cache)
+        if getattr(m.args, "tie_word_embeddings", False):
+            return m.model.embed_tokens.as_linear(h), h
+        return m.lm_head(h), h
+
+
+class Wavefront:
+    """Runs n one-token forward passes in lockstep, one MoE layer at a time.
+
+    Token j's pass runs only after token j-1's pass has reached the same MoE
+    layer, so every cache sees the same updates in the same order as
+    step-by-step decoding. At each MoE layer the last token's thread fetches
+    the union of all n tokens' experts with one store call; each token then
+    computes with its own experts, as in one-token decoding.
+    """
+
+    def __init__(self, forward, store=None):
+        self.forward = forward
+        self.store = store
+        self.stream = mx.new_thread_unsafe_stream(mx.cpu)
+
+    def run(self, tokens, cache):
+        n = len(tokens)
+        self._n = n
+        self._slot = 0
+        self._error = None
+        self._wanted = [None] * n
+        self._fetched = {}
+        self._cv = threading.Condition()
+        self._local = threading.local()
+        results = [None] * n
+        if self.store is not None:
+            self.store.experts = self._hook
+        try:
+            threads = [
+                threading.Thread(target=self._work, args=(j, tokens[j], cache, results))
+                for j in range(n)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            if self.store is not None:
+                del self.store.experts
+        if self._error is not None:
+            raise self._error
+        return results
+
+    def _wait(self, j):
+        with self._cv:
+            self._cv.wait_for(lambda: self._slot == j or self._error is not None)
+            if self._error is not None:
+                raise _Aborted()
+
+    def _pass(self, j):
+        with self._cv:
+            self._slot = (j + 1) % self._n
+            self._cv.notify_all()
+
+    def _work(self, j, token, cache, results):
+        self._local.j = j
+        try:
+            self._wait(j)
+            with mx.stream(self.stream):
+                logits, hidden = self.forward(mx.array([[token]]), cache)
+                results[j] = (logits, hidden)
+            self._pass(j)
+        except _Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            with self._cv:
+                if self._error is None:
+                    self._error = e
+                self._cv.notify_all()
+
+    def _hook(self, layer, wanted):
+        j = self._local.j
+        self._wanted[j] = (layer, [int(e) for e in wanted])
+        if j == self._n - 1:
+            layers = {w[0] for w in self._wanted}
+            if len(layers) != 1:
+                raise RuntimeError(f"wavefront out of step: layers {sorted(layers)}")
+            union = sorted(set().union(*(w[1] for w in self._wanted)))
+            arrays = type(self.store).experts(self.store, layer, np.array(union))
+            self._fetched = dict(zip(union, arrays))
+        self._pass(j)
+        self._wait(j)
+        return [self._fetched[e] for e in self._wanted[j][1]]
+
+
+class _Aborted(Exception):
+    pass
+
+
+@dataclass
+class SpecStats:
+    """What a speculative generation did; ``summary()`` gives the figures."""
+
+    draft: str = "none"
+    k: int = 0
+    exact: bool = True
+    prompt_tokens: int = 0
+    committed: int = 0
+    passes: int = 0  # target-model passes while decoding
+    draft_passes: int = 0  # passes that verified at least one drafted token
+    drafted: int = 0
+    accepted: int = 0
+    fed: int = 0  # tokens fed through the target model while decoding
+    accept_lens: list = field(default_factory=list)  # accepted drafts per draft pass
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    drafting: bool = True  # the current decision of --draft auto
+    auto_log: list = field(default_factory=list)
+    store_start: dict = field(default_factory=dict)
+    store_end: dict = field(default_factory=dict)
+
+    def summary(self):
+        n = max(self.committed, 1)
+        decoded = max(self.committed - 1, 0)
+        d = {
+            k: self.store_end.get(k, 0) - self.store_start.get(k, 0)
+            for k in ("hits", "misses", "fetched_bytes")
+        }
+        lookups = d["hits"] + d["misses"]
+        return {
+            "kind": self.draft,
+            "k": self.k,
+            "exact": self.exact,
+            "tokens": self.committed,
+            "passes": self.passes,
+            "accept_len": self.committed / max(self.passes, 1),
+            "accepted_per_draft_pass": self.accepted / max(self.draft_passes, 1),
+            "acceptance_rate": self.accepted / max(self.drafted, 1),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "fed_per_token": self.fed / n,
+            "decode_tok_s": decoded / self.decode_s if self.decode_s else 0.0,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "draft_s": self.draft_s,
+            "experts_per_token": d["misses"] / n,
+            "lookups_per_token": lookups / n,
+            "hit_rate": d["hits"] / lookups if lookups else 0.0,
+            "bytes_read_per_token": d["fetched_bytes"] / n,
+            "auto": self.auto_log,
+        }
+
+
+class AutoPolicy:
+    """``--draft auto``: keep drafting only while it costs less per token.
+
+    Probes ``probe`` plain one-token steps and ``probe`` drafting passes,
+    compares the measured wall time per committed token (which includes the
+    stalls of cache misses and the drafter's own cost), keeps the cheaper
+    for the next ``recheck`` tokens, then probes again.
+    """
+
+    def __init__(self, probe=6, recheck=96):
+        self.probe = probe
+        self.recheck = recheck
+        self.phase = "plain"
+        self.samples = {"plain": [], "draft": []}
+        self.until = 0
+        self.choice = True
+
+    def drafting(self, committed):
+        if self.phase == "decided":
+            if committed < self.until:
+                return self.choice
+            self.phase, self.samples = "plain", {"plain": [], "draft": []}
+        return self.phase == "draft"
+
+    def record(self, seconds, tokens, committed, log):
+        if self.phase == "decided":
+            return
+        key = self.phase
+        self.samples[key].append((seconds, tokens))
+        if len(self.samples[key]) < self.probe:
+            return
+        if key == "plain":
+            self.phase = "draft"
+            return
+        # skip the first sample of each phase: it pays the switch's warm-up
+        cost = {
+            k: sum(s for s, _ in v[1:]) / max(sum(t for _, t in v[1:]), 1)
+            for k, v in self.samples.items()
+        }
+        self.choice = cost["draft"] < cost["plain"]
+        self.phase, self.until = "decided", committed + self.recheck
+        log.append({
+            "at": committed,
+            "plain_s_per_token": cost["plain"],
+            "draft_s_per_token": cost["draft"],
+            "drafting": self.choice,
+        })
+
+
+def _store_stats(store):
+    return dict(store.stats) if store is not None else {}
+
+
+def speculative_generate(
+    model,
+    prompt_ids,
+    draft="ngram",
+    num_draft=4,
+    max_tokens=256,
+    mtp=None,
+    exact=True,
+    store=None,
+    eos_ids=(),
+    prefill_step_size=2048,
+    ngram_max=3,
+    auto_probe=6,
+    auto_recheck=96,
+):
+    """Greedy generation with drafting; yields ``(token id, SpecStats)``.
+
+    ``draft``: "none" | "ngram" | "mtp" | "auto" (n-gram lookup, or MTP when
+    ``mtp`` is given, switched off while it does not pay). ``mtp``: an
+    ``infer.mtp.MTPDrafter`` (required for "mtp"). ``store``: the model's
+    ExpertStore; with ``exact`` the verify fetches the union of the batch's
+    experts through it, and its stats give the bytes per token. The ids equal
+    non-speculative greedy decoding; with ``exact=False`` up to floating-point
+    differences of batched verification.
+    """
+    if draft not in DRAFTS:
+        raise ValueError(f"unknown draft {draft!r} (choose from {', '.join(DRAFTS)})")
+    if draft == "mtp" and mtp is None:
+        raise ValueError("draft 'mtp' needs an MTP head")
+    use_mtp = mtp is not None and draft in ("mtp", "auto")
+    drafter = mtp if use_mtp else NgramDrafter(max_n=ngram_max)
+    k_max = 0 if draft == "none" else max(0, int(num_draft))
+    policy = AutoPolicy(auto_probe, auto_recheck) if draft == "auto" else None
+    stats = SpecStats(draft=draft if not (draft == "auto") else
+                      f"auto:{'mtp' if use_mtp else 'ngram'}", k=k_max, exact=exact)
+    eos = {int(e) for e in eos_ids}
+    stream = mx.new_thread_unsafe_stream(mx.cpu)
+    forward = _Forward(model, want_hidden=use_mtp)
+    wave = Wavefront(forward, store) if exact else None
+    cache = make_cache(model)
+    refeed_ok = all(isinstance(c, ArraysCache) or c.is_trimmable() for c in cache)
+    if not refeed_ok:
+        raise ValueError("the model's cache can be neither trimmed nor restored")
+    prompt = [int(t) for t in prompt_ids]
+    stats.prompt_tokens = len(prompt)
+    stats.store_start = _store_stats(store)
+
+    # Prefill exactly as mlx-lm's generate_step: all but the last prompt token
+    # in chunks, then a one-token step.
+    tic = time.perf_counter()
+    hiddens = []
+    with mx.stream(stream):
+        rest = prompt
+        while len(rest) > 1:
+            n = min(prefill_step_size, len(rest) - 1)
+            _, h = forward(mx.array(rest[:n])[None], cache)
+            mx.eval([c.state for c in cache])
+            if h is not None:
+                hiddens.append(h)
+            rest = rest[n:]
+        logits, h = forward(mx.array(rest)[None], cache)
+        y = _greedy(logits)[0]
+        mx.eval(y, [c.state for c in cache])
+        y = int(y.item())
+        if h is not None:
+            hiddens.append(h)
+    stats.prefill_s = time.perf_counter() - tic
+    stats.committed = 1
+    if use_mtp:
+        with mx.stream(stream):
+            drafter.observe(mx.concatenate(hiddens, axis=1), prompt[1:] + [y])
+    else:
+        drafter.extend(prompt + [y])
+    tic = time.perf_counter()
+    stats.decode_s = 0.0
+    stats.store_end = _store_stats(store)
+    yield y, stats
+    if y in eos or max_tokens <= 1:
+        return
+
+    pre = []  # accepted tokens to feed again (batched mode, recurrent caches)
+    committed = 1
+    while committed < max_tokens:
+        t0 = time.perf_counter()
+        drafting = policy.drafting(committed) if policy else k_max > 0
+        stats.drafting = drafting
+        k = min(k_max, max_tokens - committed - 1) if drafting else 0
+        with mx.stream(stream):
+            td = time.perf_counter()
+            drafts = [int(t) for t in drafter.propose(k)] if k > 0 else []
+            stats.draft_s += time.perf_counter() - td
+            inputs = pre + [y] + drafts
+            ckpt = CacheCheckpoint(cache) if drafts else None
+            if drafts and exact:
+                rows = wave.run(inputs, cache)
+                logits = mx.concatenate([r[0] for r in rows], axis=1)
+                hidden = mx.concatenate([r[1] for r in rows], axis=1) if use_mtp else None
+            else:
+                logits, hidden = forward(mx.array(inputs)[None], cache)
+            skip = len(pre)
+            targets = _greedy(logits[:, skip:, :])
+            mx.eval(targets)
+            targets = [int(t.item()) for t in targets]
+            a = 0
+            while a < len(drafts) and drafts[a] == targets[a]:
+                a += 1
+            new = drafts[:a] + [targets[a]]
+            fed_valid = skip + 1 + a
+            pre = []
+            if ckpt is not None:
+                ckpt.stop()
+                if a < len(drafts) and not ckpt.rollback(fed_valid):
+                    pre = inputs[:fed_valid]
+            mx.eval([c.state for c in cache])
+        stats.passes += 1
+        stats.fed += len(inputs)
+        if drafts:
+            stats.draft_passes += 1
+            stats.drafted += len(drafts)
+            stats.accepted += a
+            stats.accept_lens.append(a)
+        # stop at eos or at max_tokens
+        stop = False
+        for i, t in enumerate(new):
+            if t in eos or committed + i + 1 >= max_tokens:
+                new, stop = new[: i + 1], True
+                break
+        if use_mtp and not stop:
+            with mx.stream(stream):
+                drafter.observe(hidden[:, skip : skip + len(new), :], new)
+        elif not use_mtp:
+            drafter.extend(new)
+        committed += len(new)
+        stats.committed = committed
+        y = new[-1]
+        dt = time.perf_counter() - t0
+        stats.decode_s += dt
+        if policy:
+            policy.record(dt, len(new), committed, stats.auto_log)
+        stats.store_end = _store_stats(store)
+        for t in new:
+            yield t, stats
+        if stop:
+            return
