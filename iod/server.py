@@ -317,9 +317,8 @@ class Daemon:
                           f"protocol version {m.version} != daemon's {P.PROTOCOL_VERSION}")
         if self.stopping:
             raise Failure(E.SHUTTING_DOWN, "iod is shutting down")
-        if ident in self.by_ident:
-            self.end_session(self.by_ident[ident], "HELLO again")
-        if len(self.sessions) >= self.cfg.max_sessions:
+        prior = self.by_ident.get(ident)  # a HELLO again replaces it, once valid
+        if len(self.sessions) - (prior is not None) >= self.cfg.max_sessions:
             raise Failure(E.TOO_MANY_SESSIONS, f"{len(self.sessions)} sessions, the limit")
         if m.pid <= 0 or not _pid_alive(m.pid):
             raise Failure(E.BAD_MESSAGE, f"pid {m.pid} is not a live process")
@@ -331,6 +330,8 @@ class Daemon:
                 self.arena.layout(model.manifest.max_stride)
             except ValueError as e:
                 raise Failure(E.BAD_MODEL, str(e))
+        if prior is not None:
+            self.end_session(prior, "HELLO again")
         s = Session(self.next_sid, ident, m.pid, model)
         self.next_sid += 1
         try:

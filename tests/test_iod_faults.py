@@ -1,0 +1,110 @@
+"""Injected disk faults (IOD_FAULTS, test-only): typed errors to every
+waiter, the daemon lives, and the next read of the record works."""
+
+import pytest
+
+from shared import protocol as P
+from shared.blob import Manifest
+from tests.iod_fixtures import LiveDaemon, Raw, make_prep, record_bytes, shm_entries
+
+E = P.ErrorCode
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    make_prep(folder)
+    return folder
+
+
+FAULTS = "eio:0:3:1,short:2:5:1,corrupt:1:2:1,corrupt:1:4:2,eio:0:9:1"
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "2"], env={"IOD_FAULTS": FAULTS})
+    yield d
+    assert d.stop() == 0
+    assert not shm_entries(d.pid)
+
+
+def _bytes_ok(model, daemon, hello, reply, layer):
+    """The AcquireOk's slots hold the blob file's bytes (read through the shm file)."""
+    m = Manifest.load(model)
+    with open("/dev/shm" + daemon.shm_name(), "rb") as f:
+        for ref in reply.slots:
+            off = hello.data_offset + ref[1] * hello.slot_size
+            f.seek(off)
+            assert f.read(ref[3]) == record_bytes(model, m.layer(layer), ref[0])
+
+
+def test_eio_then_next_read_works(daemon, model):
+    a, b = Raw(daemon.socket), Raw(daemon.socket)
+    ha, hb = a.hello(model), b.hello(model)
+    a.send(P.Acquire(1, ha.model_id, 0, [3, 4], True))
+    b.send(P.Acquire(2, hb.model_id, 0, [3], True))
+    ea, eb = a.until(1), b.until(2)
+    for err in (ea, eb):  # every waiter of the record hears of it
+        assert isinstance(err, P.Error) and err.code == E.IO_ERROR
+        assert (err.layer, err.expert) == (0, 3) and "layer 0 expert 3" in err.message
+    ok = a.rt(P.Acquire(3, ha.model_id, 0, [3, 4], True))
+    assert isinstance(ok, P.AcquireOk)
+    _bytes_ok(model, daemon, ha, ok, 0)
+    st = a.rt(P.Stats(4)).stats
+    # the failed acquire's other pin (expert 4) was undone; now 3 and 4 are pinned once
+    assert st["sessions"][0]["pins"] == 2 and st["counters"]["read_errors"] >= 1
+
+
+def test_short_read_is_io_error(daemon, model):
+    r = Raw(daemon.socket)
+    h = r.hello(model)
+    err = r.rt(P.Acquire(r.req(), h.model_id, 2, [5], True))
+    assert err.code == E.IO_ERROR and "short read" in err.message and err.expert == 5
+    assert isinstance(r.rt(P.Acquire(r.req(), h.model_id, 2, [5], True)), P.AcquireOk)
+
+
+def test_transient_corruption_is_retried(daemon, model):
+    r = Raw(daemon.socket)
+    h = r.hello(model)
+    before = r.rt(P.Stats(r.req())).stats["counters"]
+    ok = r.rt(P.Acquire(r.req(), h.model_id, 1, [2], True))
+    assert isinstance(ok, P.AcquireOk)
+    _bytes_ok(model, daemon, h, ok, 1)
+    after = r.rt(P.Stats(r.req())).stats["counters"]
+    assert after["retries"] == before["retries"] + 1
+    assert after["checksum_errors"] == before["checksum_errors"] + 1
+
+
+def test_persistent_corruption_fails_with_checksum(daemon, model):
+    r = Raw(daemon.socket)
+    h = r.hello(model)
+    err = r.rt(P.Acquire(r.req(), h.model_id, 1, [4], True))
+    assert err.code == E.CHECKSUM and (err.layer, err.expert) == (1, 4)
+    ok = r.rt(P.Acquire(r.req(), h.model_id, 1, [4], True))
+    _bytes_ok(model, daemon, h, ok, 1)
+
+
+def test_prefetch_failure_is_notified(daemon, model):
+    r = Raw(daemon.socket)
+    h = r.hello(model)
+    assert r.rt(P.Prefetch(r.req(), h.model_id, 0, [9])).count == 1
+    note = r.recv()
+    assert isinstance(note, P.PrefetchFailed) and (note.layer, note.expert) == (0, 9)
+    assert note.code == E.IO_ERROR
+    assert r.rt(P.Stats(r.req())).stats["sessions"][-1]["queued"] == 0
+
+
+def test_client_error_names_layer_and_expert(model):
+    from infer.client import IodClient, IodError
+
+    d = LiveDaemon(args=["--arena", "16M"], env={"IOD_FAULTS": "corrupt:2:7:2"})
+    try:
+        with IodClient(model, iod=str(d.socket)) as c:
+            with pytest.raises(IodError) as e:
+                c.fetch(2, [6, 7])
+            assert e.value.code == E.CHECKSUM and (e.value.layer, e.value.expert) == (2, 7)
+            assert "layer 2 expert 7" in str(e.value)
+            v = c.fetch(2, [6, 7])  # read again: fine now
+            assert bytes(v[7]) == record_bytes(model, Manifest.load(model).layer(2), 7)
+    finally:
+        d.stop()

@@ -1,0 +1,156 @@
+"""Hostile input against the live daemon: typed errors, and good requests
+interleaved with the bad ones keep being answered."""
+
+import os
+
+import msgpack
+import pytest
+
+from shared import protocol as P
+from tests.iod_fixtures import LiveDaemon, Raw, make_prep, shm_entries
+
+E = P.ErrorCode
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("model")
+    make_prep(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "2", "--max-sessions", "3"])
+    yield d
+    assert d.stop() == 0
+    assert not shm_entries(d.pid)
+
+
+def _b(d):
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def test_hostile_corpus_gets_typed_errors(daemon, model, tmp_path):
+    good = Raw(daemon.socket)
+    h = good.hello(model)
+    bad = Raw(daemon.socket)
+    hb = bad.hello(model)
+    mid = hb.model_id
+    (tmp_path / "notprep").mkdir()
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "manifest.json").write_text("{not json")
+    v = P.PROTOCOL_VERSION
+    pid = os.getpid()
+    corpus = [
+        ([b"\x03", _b({"req_id": 1, "model_id": mid, "layer": 0})[:-2]], E.BAD_MESSAGE),
+        ([b"\x03", b""], E.BAD_MESSAGE),
+        ([b"\x03", _b({"req_id": 2, "model_id": "1", "layer": 0, "experts": [1],
+                       "demand": True})], E.BAD_MESSAGE),
+        ([b"\x03", _b({"req_id": 3, "model_id": mid, "layer": 0, "experts": [1],
+                       "demand": 1})], E.BAD_MESSAGE),
+        ([b"\x03", _b({"req_id": 4, "model_id": mid, "layer": 0,
+                       "experts": [msgpack.ExtType(5, b"boom")], "demand": True})], E.BAD_MESSAGE),
+        ([b"\x02", _b({"req_id": 5, "model_id": mid, "layer": 0,
+                       "experts": list(range(100_000))})], E.TOO_LARGE),
+        ([b"\x02", _b({"req_id": 6, "model_id": mid, "layer": 0,
+                       "experts": [[1] * 10] * 10})], E.BAD_MESSAGE),
+        ([b"\x7f", _b({"req_id": 7})], E.UNKNOWN_KIND),
+        ([b"\x20", _b({"req_id": 8, "count": 1})], E.UNKNOWN_KIND),  # a reply kind
+        ([b"\x03"], E.BAD_MESSAGE),  # one frame
+        ([b"\x03", b"x", b"y"], E.BAD_MESSAGE),
+        ([b"\x01", _b({"req_id": 9, "version": v + 1, "pid": pid,
+                       "model_dir": str(model)})], E.VERSION_MISMATCH),
+        ([b"\x01", _b({"req_id": 10, "version": v, "pid": pid,
+                       "model_dir": str(tmp_path / "notprep")})], E.BAD_MODEL),
+        ([b"\x01", _b({"req_id": 11, "version": v, "pid": pid,
+                       "model_dir": str(tmp_path / "badjson")})], E.BAD_MODEL),
+        ([b"\x01", _b({"req_id": 12, "version": v, "pid": pid,
+                       "model_dir": str(model / ".." / model.name)})], E.BAD_MODEL),
+        ([b"\x01", _b({"req_id": 13, "version": v, "pid": pid,
+                       "model_dir": "/etc/passwd"})], E.BAD_MODEL),
+        ([b"\x01", _b({"req_id": 14, "version": v, "pid": pid, "model_dir": ""})], E.BAD_MODEL),
+        ([b"\x01", _b({"req_id": 15, "version": v, "pid": -5,
+                       "model_dir": str(model)})], E.BAD_MESSAGE),
+        ([b"\x03", _b({"req_id": 16, "model_id": mid, "layer": 99, "experts": [0],
+                       "demand": True})], E.OUT_OF_RANGE),
+        ([b"\x03", _b({"req_id": 17, "model_id": mid, "layer": 0, "experts": [16],
+                       "demand": True})], E.OUT_OF_RANGE),
+        ([b"\x02", _b({"req_id": 18, "model_id": mid, "layer": 1, "experts": [-1]})],
+         E.OUT_OF_RANGE),
+        ([b"\x03", _b({"req_id": 19, "model_id": mid + 7, "layer": 0, "experts": [0],
+                       "demand": True})], E.BAD_MODEL),
+        ([b"\x04", _b({"req_id": 20, "slots": [[10 ** 6, 1]]})], E.BAD_SLOT),
+        ([b"\x04", _b({"req_id": 21, "slots": [[1, 2, 3]]})], E.BAD_SLOT),
+        ([b"\x05", _b({"req_id": 22, "model_id": mid, "layer": "x"})], E.BAD_MESSAGE),
+    ]
+    for i, (frames, code) in enumerate(corpus):
+        bad.send_frames(frames)
+        reply = bad.recv()
+        assert isinstance(reply, P.Error) and reply.code == code, (i, reply)
+        # a good request from another session, interleaved
+        ok = good.rt(P.Acquire(good.req(), h.model_id, i % 3, [i % 16], True))
+        assert isinstance(ok, P.AcquireOk), (i, ok)
+        good.rt(P.Release(good.req(), [ok.slots[0][1:3]]))
+    # error replies name layer and expert where they apply
+    bad.send(P.Acquire(50, mid, 0, [3, 99], True))
+    err = bad.recv()
+    assert (err.code, err.layer, err.expert, err.req_id) == (E.OUT_OF_RANGE, 0, 99, 50)
+    # requests before HELLO
+    anon = Raw(daemon.socket)
+    assert anon.rt(P.Acquire(1, mid, 0, [0], True)).code == E.NO_SESSION
+    # the session table is bounded
+    third, extra = Raw(daemon.socket), Raw(daemon.socket)
+    assert isinstance(third.hello(model), P.HelloOk)
+    assert extra.hello(model).code == E.TOO_MANY_SESSIONS
+    third.rt(P.Bye(third.req()))
+    assert isinstance(extra.hello(model), P.HelloOk)  # room again
+    extra.rt(P.Bye(extra.req()))
+    st = good.rt(P.Stats(good.req())).stats
+    assert st["counters"]["internal_errors"] == 0 and st["counters"]["bad_messages"] >= 10
+    for r in (good, bad):
+        r.rt(P.Bye(r.req()))
+    for r in (good, bad, anon, third, extra):
+        r.close()
+
+
+def test_oversized_frame_drops_only_that_peer(daemon, model):
+    good = Raw(daemon.socket)
+    h = good.hello(model)
+    hog = Raw(daemon.socket)
+    hog.send_frames([b"\x06", b"\x00" * (4 << 20)])  # past the socket's MAXMSGSIZE
+    assert isinstance(good.rt(P.Acquire(good.req(), h.model_id, 0, [1], True)), P.AcquireOk)
+    # just under the socket limit, over the codec's: a typed error
+    hog2 = Raw(daemon.socket)
+    hog2.send_frames([b"\x06", b"\x00" * ((1 << 20) + 10)])
+    assert hog2.recv().code == E.TOO_LARGE
+    assert isinstance(good.rt(P.Stats(good.req())), P.StatsOk)
+    good.rt(P.Bye(good.req()))
+
+
+def test_fuzzed_frames(daemon, model):
+    """Random frames against the live daemon; every one is answered or
+    dropped, and a good request after each batch is answered."""
+    import random
+
+    rnd = random.Random(1)
+    good = Raw(daemon.socket)
+    h = good.hello(model)
+    fuzz = Raw(daemon.socket)
+    kinds = [int(k) for k in P.MsgKind] + [0, 8, 99, 255]
+    for batch in range(20):
+        for _ in range(50):
+            fields = {"req_id": rnd.choice([1, -1, "x", None, 2 ** 63]),
+                      "model_id": rnd.choice([h.model_id, 0, "m"]),
+                      "layer": rnd.choice([0, 1, -1, 2 ** 40]),
+                      "experts": rnd.choice([[0], [], [-1], [1] * 20, "x", [None]]),
+                      "demand": rnd.choice([True, 0]), "slots": rnd.choice([[[0, 1]], [[0]], 3]),
+                      "version": rnd.choice([1, 2]), "pid": rnd.choice([os.getpid(), 0, 1]),
+                      "model_dir": rnd.choice(["", "/", "..", "x" * 5000])}
+            body = _b(dict(rnd.sample(sorted(fields.items()), rnd.randint(0, len(fields)))))
+            if rnd.random() < 0.3:
+                body = body[: rnd.randint(0, len(body))]
+            fuzz.send_frames([bytes([rnd.choice(kinds)]), body])
+        ok = good.rt(P.Stats(good.req()))
+        assert isinstance(ok, P.StatsOk)
+    assert ok.stats["counters"]["internal_errors"] == 0
