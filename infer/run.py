@@ -48,7 +48,13 @@ def peak_rss_bytes():
     return r if sys.platform == "darwin" else r * 1024
 
 
-def session_stats(store, source, prompt_tps, decode_tps, n_prompt, n_tokens):
+def daemon_bytes_read(source):
+    """The daemon's disk bytes so far (0 for sources without a daemon)."""
+    stats = getattr(source, "stats", None)
+    return stats()["counters"]["bytes_read"] if callable(stats) else 0
+
+
+def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens):
     stats = {
         "prompt_tokens": n_prompt,
         "generation_tokens": n_tokens,
@@ -58,11 +64,10 @@ def session_stats(store, source, prompt_tps, decode_tps, n_prompt, n_tokens):
         "peak_mlx_memory": mx.get_peak_memory(),
         "hits": store.stats["hits"],
         "misses": store.stats["misses"],
-        "bytes_fetched": store.stats["fetched_bytes"],
+        "bytes_read": store.stats["fetched_bytes"],
         "stall_s": store.stats["stall_s"],
+        "prediction": store.prediction_stats(),
     }
-    read = getattr(source, "session_bytes_read", None)
-    stats["bytes_read"] = read() if callable(read) else store.stats["fetched_bytes"]
     return stats
 
 
@@ -107,6 +112,7 @@ def main(argv=None) -> int:
         if args.seed is not None:
             mx.random.seed(args.seed)
         sampler = make_sampler(args.temp, args.top_p)
+        disk_before = daemon_bytes_read(source)
         tokens, text = [], ""
         response = None
         for response in stream_generate(
@@ -120,12 +126,14 @@ def main(argv=None) -> int:
             tokens.pop()  # the eos token is not part of the text
         stats = session_stats(
             store,
-            source,
             response.prompt_tps if response else 0.0,
             response.generation_tps if response else 0.0,
             len(ids),
             len(tokens),
         )
+        # shared by every session of the daemon: the others' reads count too
+        stats["daemon_bytes_read"] = daemon_bytes_read(source) - disk_before
+        stats["daemon_pid"] = getattr(source, "daemon_pid", 0)
     except DaemonDead as e:
         print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1

@@ -22,6 +22,8 @@ import numpy as np
 
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from .client import DaemonDead
+
 _MX_DTYPES = {
     "uint32": mx.uint32,
     "uint16": mx.uint16,
@@ -142,7 +144,7 @@ class ExpertStore:
             stack = self.stack(layer)
             missing = [e for e in sorted(wanted) if e not in stack]
             if missing:
-                self.source.prefetch(layer, missing)
+                self._call("prefetch", layer, missing)
 
     def _score(self, layer, actual):
         for d, guess in self._predicted.pop(layer, {}).items():
@@ -177,7 +179,7 @@ class ExpertStore:
         fetched = self._fetch(layer, missing) if missing else {}
         if self.depth:
             # what was prefetched for this layer and not used is dropped now
-            self.source.cancel(layer)
+            self._call("cancel", layer)
 
         for e in wanted:
             if e in stack:
@@ -197,16 +199,29 @@ class ExpertStore:
         }
         return arrays, list(range(len(wanted)))
 
+    def _call(self, name, *args, retry=False):
+        """A source call that survives the death of an embedded daemon: with
+        ``iod="auto"`` the client starts or attaches a fresh one; the experts
+        already copied into the stacks stay valid, so generation carries on."""
+        try:
+            return getattr(self.source, name)(*args)
+        except DaemonDead:
+            if getattr(self.source, "iod", None) != "auto":
+                raise
+            self.stats["reconnects"] = self.stats.get("reconnects", 0) + 1
+            self.source.reconnect()
+            return getattr(self.source, name)(*args) if retry else None
+
     def _fetch(self, layer, experts):
         layout = self.layouts[layer]
         tic = time.perf_counter()
-        records = self.source.fetch(layer, experts)
+        records = self._call("fetch", layer, experts, retry=True)
         self.stats["stall_s"] += time.perf_counter() - tic
         try:
             out = {e: record_to_arrays(layout, records[e]) for e in experts}
             mx.eval([a for arrays in out.values() for a in arrays.values()])
         finally:
-            self.source.release(layer, experts)
+            self._call("release", layer, experts)
         self.stats["fetched_bytes"] += layout.record_bytes * len(experts)
         return out
 
