@@ -60,9 +60,14 @@ def run_dir(monkeypatch):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.mark.parametrize("budget", [None, "tiny"])
-def test_run_json_matches_mlx_lm_on_embedded_daemon(synth_model, prep_model, run_dir, budget):
-    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+CASES = [("qwen3_moe", None)] + [
+    (arch, "tiny") for arch in ("qwen3_moe", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3")
+]
+
+
+@pytest.mark.parametrize("arch,budget", CASES)
+def test_run_json_matches_mlx_lm_on_embedded_daemon(synth_model, prep_model, run_dir, arch, budget):
+    src, prep = synth_model(arch), prep_model(arch)
     args = ["--model", str(prep), "--prompt", PROMPT, "--max-tokens", "64", "--json"]
     if budget == "tiny":
         args += ["--mem-budget", tiny_budget(prep)]
