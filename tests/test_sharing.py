@@ -1,0 +1,128 @@
+"""Several sessions on one daemon: one read serves them all, per-session
+figures in ``iod status``, and a session that dies mid-stream harms nobody.
+
+The proof of sharing is the daemon's own read counter: records are read
+from disk at most once however many sessions ask for them."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from infer.client import IodClient
+from shared import protocol as P
+from shared.blob import Manifest
+from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, short_dir, wait_for
+from tests.test_run import PROMPT, mlx_greedy_ids
+
+N_TOKENS = 32
+
+
+@pytest.fixture
+def daemon(monkeypatch):
+    folder = short_dir("iods-")
+    monkeypatch.setenv("IOD_RUN_DIR", str(folder))
+    d = LiveDaemon(folder, args=["--arena", "64M"])
+    yield d
+    d.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def stats(daemon):
+    r = Raw(daemon.socket)
+    try:
+        return r.rt(P.Stats(r.req())).stats
+    finally:
+        r.close()
+
+
+def infer_run(daemon, prep, *args, **kw):
+    cmd = [sys.executable, "-m", "infer.cli", "run", "--model", str(prep),
+           "--iod", str(daemon.socket), "--prompt", PROMPT, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_second_client_is_served_from_the_arena(daemon, prep_model):
+    prep = prep_model("qwen3_moe")
+    layout = Manifest.load(prep).layers[0]
+    a = IodClient(prep, iod=str(daemon.socket))
+    b = IodClient(prep, iod=str(daemon.socket))
+    try:
+        got_a = {e: bytes(v) for e, v in a.fetch(0, range(8)).items()}
+        reads = a.stats()["counters"]["reads"]
+        assert reads == 8
+        got_b = {e: bytes(v) for e, v in b.fetch(0, range(8)).items()}
+        st = b.stats()
+        assert st["counters"]["reads"] == reads  # nothing read again
+        assert st["counters"]["hits"] >= 8
+        for e in range(8):
+            assert got_a[e] == got_b[e] == record_bytes(prep, layout, e)
+        # per-session figures
+        by_id = {s["id"]: s for s in st["sessions"]}
+        assert by_id[a.session_id]["misses"] == 8 and by_id[b.session_id]["hits"] == 8
+        assert by_id[b.session_id]["bytes"] == by_id[a.session_id]["bytes"] > 0
+        a.release(0, range(8))
+        b.release(0, range(8))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_live_sessions_share_reads(daemon, synth_model, prep_model):
+    prep = prep_model("qwen3_moe")
+    manifest = Manifest.load(prep)
+    procs = [infer_run(daemon, prep, "--max-tokens", str(N_TOKENS), "--json") for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out))
+    expected = mlx_greedy_ids(synth_model("qwen3_moe"), N_TOKENS)
+    assert [o["tokens"] for o in outs] == [expected, expected]
+    c = stats(daemon)["counters"]
+    records = sum(l.num_experts for l in manifest.layers)
+    # every record read at most once, though each session fetched many
+    assert 0 < c["reads"] <= records
+    fetched = [o["stats"]["bytes_read"] for o in outs]
+    assert all(f > 0 for f in fetched)
+    assert c["bytes_read"] < sum(fetched)
+    assert c["hits"] > 0
+
+
+def test_killed_session_mid_stream_leaves_others_and_daemon_unharmed(daemon, synth_model, prep_model):
+    prep = prep_model("qwen3_moe")
+    # a long stream that is killed once it has printed some text
+    victim = infer_run(daemon, prep, "--max-tokens", "100000", "--ignore-chat-template")
+    try:
+        assert victim.stdout.read(8), victim.stderr.read()
+        other = infer_run(daemon, prep, "--max-tokens", str(N_TOKENS), "--json")
+        wait_for(lambda: len(stats(daemon)["sessions"]) == 2 or other.poll() is not None,
+                 timeout=60, what="two sessions at once")
+        st = stats(daemon)
+        assert victim.poll() is None, "the victim finished before it could be killed"
+        pids = {s["pid"] for s in st["sessions"]}
+        assert victim.pid in pids
+        for s in st["sessions"]:
+            assert {"requests", "hits", "misses", "bytes", "pins", "queued"} <= set(s)
+        victim.kill()
+        victim.wait()
+        out, err = other.communicate(timeout=120)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait()
+    assert other.returncode == 0, err
+    assert json.loads(out)["tokens"] == mlx_greedy_ids(synth_model("qwen3_moe"), N_TOKENS)
+    assert daemon.proc.poll() is None
+    wait_for(lambda: not stats(daemon)["sessions"], what="both sessions gone")
+    st = stats(daemon)
+    assert st["arena"]["slots"].get("ready_pinned", 0) == 0
+    assert st["counters"]["internal_errors"] == 0
+    # and a new session is served
+    layout = Manifest.load(prep).layers[1]
+    with IodClient(prep, iod=str(daemon.socket)) as c:
+        assert bytes(c.fetch(1, [3])[3]) == record_bytes(prep, layout, 3)
+        c.release(1, [3])
