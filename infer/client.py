@@ -108,7 +108,7 @@ class IodClient:
             if pid > 0 and sock.exists():
                 try:
                     return self._attach(sock, pid)
-                except DaemonDead:
+                except IodError:  # gone, full, or its arena cannot take this model
                     self._detach()
             sock, pid = self._start_private()
             return self._attach(sock, pid)

@@ -13,10 +13,14 @@ slot data only, into slots this object handed out as FILLING.
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 
 import native
 from shared import slots as S
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
 class Slot:
@@ -35,7 +39,7 @@ class Arena:
     """A POSIX shm segment of ``size`` bytes; slots are laid out once the
     slot size is known (``layout``)."""
 
-    def __init__(self, name: str, size: int):
+    def __init__(self, name: str, size: int, prefault: bool = False):
         self.name = name
         self.size = size
         fd = native.shm_create(name, size)
@@ -44,6 +48,10 @@ class Arena:
         finally:
             os.close(fd)
         self.buf = memoryview(self.mm)
+        self._prefaulter = None
+        if prefault:  # in the background: start-up stays quick
+            self._prefaulter = threading.Thread(target=self._prefault, name="iod-prefault", daemon=True)
+            self._prefaulter.start()
         self.slot_size = 0
         self.slot_count = 0
         self.data_offset = 0
@@ -53,6 +61,17 @@ class Arena:
         self.index = {}  # key -> slot index, READY or FILLING
         self._next_generation = 1
         self.evictions = 0
+
+    def _prefault(self) -> None:
+        """Commit every page now, so the first read into a slot does not pay
+        for faulting in fresh shared-memory pages."""
+        chunk = 64 << 20
+        for off in range(0, self.size, chunk):
+            n = min(chunk, self.size - off)
+            try:  # populates without writing, so it is safe while readers fill slots
+                self.mm.madvise(MADV_POPULATE_WRITE, off, n)
+            except (OSError, ValueError, AttributeError):
+                return  # not Linux >= 5.14: pages fault in on first use
 
     @property
     def laid_out(self) -> bool:
@@ -163,6 +182,8 @@ class Arena:
         assert len(self.index) == sum(1 for s in self.slots if s.state != S.FREE)
 
     def close(self, unlink: bool = True) -> None:
+        if self._prefaulter is not None:
+            self._prefaulter.join()
         try:
             self.buf.release()
             self.mm.close()

@@ -44,6 +44,8 @@ def _parser():
     st.add_argument("--max-sessions", type=int, default=64)
     st.add_argument("--max-pins", type=int, default=4096, help="per session")
     st.add_argument("--max-queued", type=int, default=8192, help="records queued per session")
+    st.add_argument("--no-prefault", action="store_true",
+                    help="do not commit the arena's memory at start (pages fault in on first use)")
     st.add_argument("--foreground", action="store_true", help="run in this process")
     st.add_argument("--log", type=Path, help="log file of a detached daemon (default: run dir/iod.log)")
     st.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
@@ -101,7 +103,8 @@ def start_foreground(args, sock: Path) -> int:
         cfg = Config(socket=sock, arena_size=args.arena, slot_size=args.slot_size,
                      workers=max(args.workers, 1), read_rate=args.read_rate * 1e6,
                      max_sessions=args.max_sessions, max_pins=args.max_pins,
-                     max_queued=args.max_queued, faults=os.environ.get("IOD_FAULTS", ""))
+                     max_queued=args.max_queued, faults=os.environ.get("IOD_FAULTS", ""),
+                     prefault=not args.no_prefault)
         daemon = Daemon(cfg, parent_fd=args.parent_fd)
         daemon.open()
     except Exception as e:
@@ -200,6 +203,8 @@ def start_detached(args, sock: Path) -> int:
              "--max-pins", str(args.max_pins), "--max-queued", str(args.max_queued)]
     if args.slot_size:
         extra += ["--slot-size", str(args.slot_size)]
+    if args.no_prefault:
+        extra.append("--no-prefault")
     try:
         _, pid = spawn(sock, extra, log=args.log or folder / "iod.log")
     except RuntimeError as e:

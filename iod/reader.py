@@ -127,7 +127,10 @@ class Job:
 
 class ReaderPool:
     def __init__(self, workers: int, wake_fd: int, read_rate: float = 0.0, faults: Faults = None):
-        self.jobs = queue.SimpleQueue()
+        # (class, seq, job): a demand submitted later still starts before
+        # prefetches that were handed over but not started
+        self.jobs = queue.PriorityQueue()
+        self.seq = 0
         self.done = queue.SimpleQueue()
         self.wake_fd = wake_fd
         self.bucket = TokenBucket(read_rate) if read_rate > 0 else None
@@ -139,19 +142,21 @@ class ReaderPool:
         for t in self.threads:
             t.start()
 
-    def submit(self, job: Job) -> None:
-        self.jobs.put(job)
+    def submit(self, job: Job, cls: int = 0) -> None:
+        self.seq += 1
+        self.jobs.put((cls, self.seq, job))
 
     def stop(self) -> None:
         """Let jobs already submitted finish, then end the threads."""
         for _ in self.threads:
-            self.jobs.put(None)
+            self.seq += 1
+            self.jobs.put((99, self.seq, None))
         for t in self.threads:
             t.join()
 
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
+            job = self.jobs.get()[2]
             if job is None:
                 return
             try:

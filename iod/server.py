@@ -49,6 +49,7 @@ class Config:
     max_models: int = 16
     liveness_s: float = 0.25  # pid poll period where pidfd is unavailable
     faults: str = ""
+    prefault: bool = True  # commit the arena's pages at start
 
 
 class Failure(Exception):
@@ -180,7 +181,7 @@ class Daemon:
         """Create the arena, the reader pool and bind the socket (lock held)."""
         cfg = self.cfg
         self.shm_name = paths.shm_name(os.getpid())
-        self.arena = arena_mod.Arena(self.shm_name, cfg.arena_size)
+        self.arena = arena_mod.Arena(self.shm_name, cfg.arena_size, cfg.prefault)
         rec = paths.arena_record_path(self.folder)
         tmp = rec.with_suffix(".tmp")
         tmp.write_text(self.shm_name + "\n")
@@ -614,7 +615,8 @@ class Daemon:
 
     def _pump(self):
         """Start queued reads while workers and slots are free."""
-        while self.inflight < self.cfg.workers and not self.stopping:
+        # a few more than the workers, so a worker never waits for this thread
+        while self.inflight < 2 * self.cfg.workers and not self.stopping:
             nxt = self._next_key()
             if nxt is None:
                 return
@@ -627,9 +629,9 @@ class Daemon:
                     self.turns[cls].appendleft(sid)
                 return
             r.slot, r.state = slot, INFLIGHT
-            self._submit(r)
+            self._submit(r, cls)
 
-    def _submit(self, r: Read):
+    def _submit(self, r: Read, cls=DEMAND):
         l = r.layout
         fd, mode = r.model.fds[l.layer]
         r.job = reader_mod.Job(r.key, fd, mode, self.arena.data(r.slot.index, l.stride), l.stride,
@@ -638,7 +640,7 @@ class Daemon:
         if self.inflight == 0:
             self.busy_since = time.monotonic_ns()
         self.inflight += 1
-        self.pool.submit(r.job)
+        self.pool.submit(r.job, cls)
 
     def _drain_completions(self):
         _drain_fd(self.wake_r)

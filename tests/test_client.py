@@ -110,3 +110,75 @@ def test_daemon_death_is_sticky_and_reconnect_recovers(model, run_dir):
     assert bytes(c.fetch(0, [1])[1]) == record_bytes(model, m.layer(0), 1)
     c.close()
     assert not shm_entries(old)  # swept? the private dir of the old one is gone
+
+
+@pytest.fixture
+def daemon():
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "2"])
+    yield d
+    d.stop()
+
+
+def test_prefetch_then_fetch_uses_ready_and_profiles(model, daemon):
+    m = Manifest.load(model)
+    with IodClient(model, iod=str(daemon.socket), profile=True) as c:
+        c.prefetch(1, [1, 2, 3])
+        c.prefetch(1, [1, 2, 3])  # already requested: nothing sent
+        assert c.counters["prefetch_requests"] == 1
+        wait_for(lambda: (c.poll(), c.ready(1) == [1, 2, 3])[1], what="readies")
+        views = c.fetch(1, [1, 2, 3, 4])
+        assert c.counters["ready_used"] == 3 and c.counters["acquired"] == 1
+        assert c.counters["demand_requests"] == 1
+        assert all(bytes(views[e]) == record_bytes(model, m.layer(1), e) for e in views)
+        assert {h["kind"] for h in c.hop_log} == {"prefetch", "acquire"}
+        for h in c.hop_log:
+            assert h["client_send"] <= h["received"] <= h["sent"] <= h["client_recv"]
+        del views
+        c.release(1, [1, 2, 3, 4])
+        c.prefetch(2, [0, 1])
+        wait_for(lambda: (c.poll(), c.ready(2) == [0, 1])[1], what="readies")
+        c.cancel(2)  # unused prefetched pins go too
+        assert c.pinned == 0
+        wait_for(lambda: c.stats()["sessions"][0]["pins"] == 0, what="pins released")
+
+
+def test_slow_daemon_is_not_declared_dead(model):
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "0.5"])
+    try:
+        with IodClient(model, iod=str(d.socket), timeout=0.2) as c:
+            views = c.fetch(2, [0, 1])  # ~1.2 s of reading at 0.5 MB/s
+            assert len(views) == 2
+            del views
+    finally:
+        d.stop()
+
+
+def test_model_with_larger_stride_is_refused(model, tmp_path):
+    from tests.iod_fixtures import make_prep
+
+    d = LiveDaemon(args=["--arena", "16M"])
+    big = tmp_path / "big"
+    make_prep(big, records=(500_000,), num_experts=2)
+    try:
+        with IodClient(model, iod=str(d.socket)):
+            with pytest.raises(IodError) as e:
+                IodClient(big, iod=str(d.socket))
+            assert e.value.code.name == "BAD_MODEL" and "slot size" in str(e.value)
+    finally:
+        d.stop()
+
+
+def test_queue_limit_is_typed(model):
+    from shared import protocol as P
+    from tests.iod_fixtures import Raw
+
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "1",
+                         "--max-queued", "4"])
+    try:
+        r = Raw(d.socket)
+        h = r.hello(model)
+        err = r.rt(P.Acquire(r.req(), h.model_id, 0, list(range(6)), True))
+        assert err.code == P.ErrorCode.QUEUE_FULL
+        assert r.rt(P.Prefetch(r.req(), h.model_id, 0, list(range(6)))).count == 4
+    finally:
+        d.stop()

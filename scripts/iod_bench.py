@@ -1,0 +1,231 @@
+"""Measure iod: request -> ready latency (arena hit, disk read) and the
+daemon's read throughput against a plain O_DIRECT read loop over the same
+records, in the same run.
+
+    python scripts/iod_bench.py [--data /tmp/iod-bench] [--gb 1.5] [--record-mb 2]
+                                [--workers 4] [--runs 3] [--json out.json]
+
+The data set is a fake prep folder (random bytes, correct checksums), built
+once and reused. Both read paths use O_DIRECT, the same number of threads
+and the same random record order; the daemon also verifies every checksum.
+"""
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import native  # noqa: E402
+from iod.reader import open_blob  # noqa: E402
+from shared import protocol as P  # noqa: E402
+from shared.blob import Manifest, plan_layer, record_checksum  # noqa: E402
+
+
+def build(folder: Path, gb: float, record_mb: float, experts: int = 128) -> Manifest:
+    try:
+        return Manifest.load(folder)
+    except Exception:
+        pass
+    folder.mkdir(parents=True, exist_ok=True)
+    nbytes = int(record_mb * 1e6)
+    layers = max(1, round(gb * 1e9 / (nbytes * experts)))
+    block = bytearray(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+    out = []
+    for i in range(layers):
+        l = plan_layer(i, f"layers.{i}", [("blob", "weight", "uint8", [nbytes], 1, experts)])
+        with open(folder / l.file, "wb") as f:
+            for e in range(experts):
+                block[:8] = ((i << 32) | e).to_bytes(8, "little")  # records differ
+                l.checksums.append(f"{record_checksum(i, e, block):016x}")
+                f.write(block)
+                f.write(bytes(l.stride - l.record_bytes))
+        out.append(l)
+    m = Manifest(model_type="bench", layers=out)
+    m.save(folder)
+    return m
+
+
+def records(m: Manifest, seed: int):
+    keys = [(l.layer, e) for l in m.layers for e in range(l.num_experts)]
+    np.random.default_rng(seed).shuffle(keys)
+    return keys
+
+
+def plain_read(folder: Path, m: Manifest, keys, threads: int, checksum=False) -> float:
+    """Bytes/s of N threads preading the records with O_DIRECT into aligned
+    buffers (and, with ``checksum``, verifying each record as iod does)."""
+    fds = {l.layer: open_blob(folder / l.file)[0] for l in m.layers}
+    lay = {l.layer: l for l in m.layers}
+    it = iter(keys)
+    lock = threading.Lock()
+    total = [0]
+
+    def work():
+        buf = mmap.mmap(-1, m.max_stride)
+        n = 0
+        while True:
+            with lock:
+                k = next(it, None)
+            if k is None:
+                break
+            l = lay[k[0]]
+            n += native.pread_full(fds[k[0]], buf, 0, l.stride, k[1] * l.stride)
+            if checksum:
+                view = memoryview(buf)[: l.record_bytes]
+                assert record_checksum(k[0], k[1], view) == l.checksum(k[1])
+                view.release()
+        with lock:
+            total[0] += n
+        buf.close()
+
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return total[0] / dt
+
+
+def daemon_read(raw, hello, m: Manifest, keys, window: int) -> float:
+    """Bytes/s of the daemon reading the records, driven by prefetches with
+    ``window`` records outstanding; each Ready is released at once."""
+    lay = {l.layer: l for l in m.layers}
+    it = iter(keys)
+    out = 0
+    done = 0
+    t0 = time.perf_counter()
+    for _ in range(window):
+        k = next(it, None)
+        if k is not None:
+            raw.send(P.Prefetch(raw.req(), hello.model_id, k[0], [k[1]]))
+            out += 1
+    nbytes = 0
+    while out:
+        msg = raw.recv()
+        if isinstance(msg, P.Ready):
+            out -= 1
+            done += 1
+            nbytes += lay[msg.layer].stride
+            raw.send(P.Release(raw.req(), [msg.slot[1:3]]))
+            k = next(it, None)
+            if k is not None:
+                raw.send(P.Prefetch(raw.req(), hello.model_id, k[0], [k[1]]))
+                out += 1
+        elif isinstance(msg, (P.Error, P.PrefetchFailed)):
+            raise RuntimeError(f"daemon error: {msg}")
+    return nbytes / (time.perf_counter() - t0)
+
+
+def latency(client, keys, n: int):
+    """Client-measured send->receive and daemon received->sent, in us: n disk
+    reads of records never read before, then n arena hits of the same records."""
+    out = {}
+    for name, ks in (("disk", keys[:n]), ("hit", keys[:n])):
+        client.hop_log.clear()
+        for layer, e in ks:
+            client.fetch(layer, [e])
+            client.release(layer, [e])
+        rt = np.array([h["client_recv"] - h["client_send"] for h in client.hop_log]) / 1e3
+        dm = np.array([h["sent"] - h["received"] for h in client.hop_log]) / 1e3
+        out[name] = {"n": len(rt),
+                     "client_p50_us": round(float(np.percentile(rt, 50)), 1),
+                     "client_p99_us": round(float(np.percentile(rt, 99)), 1),
+                     "daemon_p50_us": round(float(np.percentile(dm, 50)), 1),
+                     "daemon_p99_us": round(float(np.percentile(dm, 99)), 1)}
+        if name == "disk":
+            assert all(h["read_start"] for h in client.hop_log), "expected disk reads"
+        else:
+            assert not any(h["read_start"] for h in client.hop_log), "expected arena hits"
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, default=Path("/tmp/iod-bench"))
+    ap.add_argument("--gb", type=float, default=1.5)
+    ap.add_argument("--record-mb", type=float, default=2.0)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--window", type=int, default=0, help="outstanding prefetches (default 4x workers)")
+    ap.add_argument("--arena", default="512M")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--lat-n", type=int, default=150)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+
+    from infer.client import IodClient
+    from iod.cli import spawn
+    from tests.iod_fixtures import Raw, short_dir
+
+    t = time.perf_counter()
+    m = build(args.data, args.gb, args.record_mb)
+    total = m.expert_bytes
+    print(f"data: {args.data} {len(m.layers)} layers x {m.layers[0].num_experts} records of "
+          f"{m.layers[0].record_bytes / 1e6:.1f} MB = {total / 1e9:.2f} GB "
+          f"(ready in {time.perf_counter() - t:.1f} s)", file=sys.stderr)
+    folder = short_dir("iodb-")
+    sock = folder / "iod.sock"
+    proc, pid = spawn(sock, ["--arena", args.arena, "--workers", str(args.workers)],
+                      log=folder / "iod.log")
+    result = {"data_gb": round(total / 1e9, 3), "record_bytes": m.layers[0].record_bytes,
+              "workers": args.workers, "runs": args.runs}
+    try:
+        c = IodClient(args.data, iod=str(sock), profile=True)
+        keys = records(m, 1)
+        result["latency"] = latency(c, keys, args.lat_n)
+        c.close()
+        raw = Raw(sock)
+        hello = raw.hello(args.data)
+        window = args.window or 4 * args.workers
+        plain, plain_ck, daemon, ratio, ratio_ck = [], [], [], [], []
+        for run in range(args.runs):  # interleaved, so load changes hit all three alike
+            p = plain_read(args.data, m, records(m, 100 + run), args.workers)
+            # the arena holds few of these: nearly all are disk reads
+            d = daemon_read(raw, hello, m, records(m, 200 + run), window)
+            pc = plain_read(args.data, m, records(m, 300 + run), args.workers, checksum=True)
+            plain.append(p / 1e6)
+            plain_ck.append(pc / 1e6)
+            daemon.append(d / 1e6)
+            ratio.append(d / p)
+            ratio_ck.append(d / pc)
+            print(f"run {run}: plain O_DIRECT {p / 1e6:.0f} MB/s, with checksums "
+                  f"{pc / 1e6:.0f} MB/s, iod {d / 1e6:.0f} MB/s ({d / p:.0%}, {d / pc:.0%})",
+                  file=sys.stderr)
+        st = raw.rt(P.Stats(raw.req())).stats
+        result["throughput_MBps"] = {
+            "plain": [round(x) for x in plain], "iod": [round(x) for x in daemon],
+            "plain_checksum": [round(x) for x in plain_ck],
+            "ratio": [round(x, 3) for x in ratio],
+            "ratio_vs_checksum": [round(x, 3) for x in ratio_ck],
+            "ratio_vs_checksum_median": round(statistics.median(ratio_ck), 3),
+            "plain_checksum_median": round(statistics.median(plain_ck)),
+            "plain_median": round(statistics.median(plain)),
+            "iod_median": round(statistics.median(daemon)),
+            "ratio_median": round(statistics.median(ratio), 3),
+            "ratio_min": round(min(ratio), 3), "ratio_max": round(max(ratio), 3)}
+        result["read_mode"] = st["models"][0]["read_mode"]
+        result["daemon_latency_us"] = st["latency_us"]
+        raw.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
