@@ -1,0 +1,168 @@
+"""`infer serve`: the openai client against a live server on a shared daemon.
+
+One server subprocess (on a free port) is shared by the module's tests; its
+greedy answers are compared with mlx-lm's on the same synthetic model held
+whole in memory."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from mlx_lm import generate as mlx_generate
+from mlx_lm import load as mlx_load
+
+from shared import protocol as P
+from tests.iod_fixtures import LiveDaemon, Raw, short_dir, wait_for
+
+openai = pytest.importorskip("openai")
+
+PROMPT = "Write a list of colors: red, green, blue"
+N = 16
+
+
+def start_server(prep, sock, env, *extra):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.cli", "serve", "--model", str(prep), "--port", "0",
+         "--iod", str(sock), "--log-level", "WARNING", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    if "listening on http://" not in line:
+        proc.kill()
+        raise AssertionError(f"no listening line: {line!r} {proc.stderr.read()}")
+    return proc, line.strip().rsplit("/", 1)[-1]
+
+
+@pytest.fixture(scope="module")
+def live(prep_model):
+    folder = short_dir("iodv-")
+    env = dict(os.environ, IOD_RUN_DIR=str(folder))
+    daemon = LiveDaemon(folder, env=env)
+    prep = prep_model("qwen3_moe")
+    proc, hostport = start_server(prep, daemon.socket, env)
+    client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
+                           max_retries=0)
+    yield dict(daemon=daemon, proc=proc, hostport=hostport, client=client, prep=prep)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    daemon.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(synth_model):
+    model, tokenizer = mlx_load(str(synth_model("qwen3_moe")))
+    chat_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    return {
+        "chat": mlx_generate(model, tokenizer, chat_ids, max_tokens=N),
+        "text": mlx_generate(model, tokenizer, tokenizer.encode(PROMPT), max_tokens=N),
+    }
+
+
+def daemon_stats(daemon):
+    r = Raw(daemon.socket)
+    try:
+        return r.rt(P.Stats(r.req())).stats
+    finally:
+        r.close()
+
+
+def test_chat_completion(live, reference):
+    r = live["client"].chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == reference["chat"]
+    assert r.usage.completion_tokens == N and r.choices[0].finish_reason == "length"
+
+
+def test_chat_completion_streaming(live, reference):
+    chunks = live["client"].chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=N, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["chat"]
+
+
+def test_completion(live, reference):
+    r = live["client"].completions.create(model="default_model", prompt=PROMPT, max_tokens=N,
+                                          temperature=0)
+    assert r.choices[0].text == reference["text"]
+
+
+def test_completion_streaming(live, reference):
+    chunks = live["client"].completions.create(model="default_model", prompt=PROMPT,
+                                               max_tokens=N, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == reference["text"]
+
+
+def test_model_by_folder_path_and_unknown_model(live, reference):
+    c = live["client"]
+    r = c.completions.create(model=str(live["prep"]), prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.choices[0].text == reference["text"]
+    with pytest.raises(openai.APIStatusError):
+        c.completions.create(model="someone/else", prompt=PROMPT, max_tokens=2)
+
+
+def test_server_is_a_session_of_the_shared_daemon(live):
+    st = daemon_stats(live["daemon"])
+    mine = [s for s in st["sessions"] if s["pid"] == live["proc"].pid]
+    assert len(mine) == 1 and mine[0]["requests"] > 0
+    assert st["counters"]["bytes_read"] > 0
+
+
+def test_client_disconnect_mid_stream_leaves_server_and_daemon_unharmed(live, reference):
+    host, port = live["hostport"].split(":")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 5000, "stream": True}).encode()
+    s = socket.create_connection((host, int(port)), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        chunk = s.recv(4096)
+        assert chunk, got
+        got += chunk
+    s.close()  # gone mid-stream
+    # the server carries on: the next requests are answered exactly
+    r = live["client"].completions.create(model="default_model", prompt=PROMPT, max_tokens=N,
+                                          temperature=0)
+    assert r.choices[0].text == reference["text"]
+    assert live["proc"].poll() is None and live["daemon"].proc.poll() is None
+    assert daemon_stats(live["daemon"])["counters"]["internal_errors"] == 0
+
+
+def test_two_servers_share_the_daemon_and_sigterm_ends_one_cleanly(live, reference):
+    env = dict(os.environ, IOD_RUN_DIR=str(live["daemon"].folder))
+    proc, hostport = start_server(live["prep"], live["daemon"].socket, env)
+    try:
+        other = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
+                              max_retries=0)
+        reads = daemon_stats(live["daemon"])["counters"]["reads"]
+        r = other.completions.create(model="default_model", prompt=PROMPT, max_tokens=N,
+                                     temperature=0)
+        assert r.choices[0].text == reference["text"]
+        st = daemon_stats(live["daemon"])
+        assert proc.pid in {s["pid"] for s in st["sessions"]}
+        # the first server already brought in every record this prompt needs
+        assert st["counters"]["reads"] == reads
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_for(lambda: proc.pid not in {s["pid"] for s in daemon_stats(live["daemon"])["sessions"]},
+             what="the stopped server's session gone")
+    r = live["client"].completions.create(model="default_model", prompt=PROMPT, max_tokens=4)
+    assert r.choices[0].text
+
+
+def test_bad_folder_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "serve", "--model", str(tmp_path),
+                        "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().startswith("infer serve: "), r.stderr
