@@ -373,7 +373,9 @@ class Daemon:
             raise Failure(E.BAD_MODEL, f"{folder}: record stride {manifest.max_stride} exceeds the "
                           f"arena's slot size {limit}; restart iod with --slot-size")
         if len(self.models) >= self.cfg.max_models:
-            raise Failure(E.BAD_MODEL, f"{len(self.models)} models loaded, the limit")
+            self._unload_idle_model()
+        if len(self.models) >= self.cfg.max_models:
+            raise Failure(E.BAD_MODEL, f"{len(self.models)} models in use, the limit")
         model = Model(self.next_mid, folder, manifest, mhash)
         try:
             model.open()
@@ -384,6 +386,18 @@ class Daemon:
         self.models[model.id] = model
         self.model_by_dir[folder] = model  # a changed manifest gets a new model id
         return model
+
+    def _unload_idle_model(self):
+        """Forget a model no session uses and no read touches (its arena
+        slots stay until evicted; model ids are never reused)."""
+        busy = {r.model.id for r in self.reads.values()}
+        for m in self.models.values():
+            if m.sessions == 0 and m.id not in busy:
+                m.close()
+                del self.models[m.id]
+                if self.model_by_dir.get(m.dir) is m:
+                    del self.model_by_dir[m.dir]
+                return
 
     def on_bye(self, ident, m: P.Bye, received):
         s = self._session(ident)
