@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 import native
+from iod.reader import TokenBucket
 from shared.blob import RECORD_ALIGN, Manifest, verify_record
 
 
@@ -44,8 +45,9 @@ def _aligned_buffer(nbytes):
 class SyncSource:
     """Reads each record on demand in the calling thread."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, read_rate=0.0):
         self.model_dir = Path(model_dir)
+        self.bucket = TokenBucket(read_rate) if read_rate > 0 else None
         self.manifest = Manifest.load(self.model_dir)
         self.layouts = {l.layer: l for l in self.manifest.layers}
         self._fds = {}
@@ -60,6 +62,8 @@ class SyncSource:
     def read(self, layer, expert):
         layout = self.layouts[layer]
         buf = _aligned_buffer(layout.stride)
+        if self.bucket is not None:
+            self.bucket.take(layout.stride)
         n = native.pread_full(self._fd(layout), buf, 0, layout.stride, expert * layout.stride)
         self.bytes_read += n
         self.reads += 1
@@ -88,8 +92,8 @@ class SyncSource:
 class ThreadedSource(SyncSource):
     """Prefetches with reader threads inside the inference process."""
 
-    def __init__(self, model_dir, workers=4):
-        super().__init__(model_dir)
+    def __init__(self, model_dir, workers=4, read_rate=0.0):
+        super().__init__(model_dir, read_rate)
         self._lock = threading.Lock()
         self._pending = {}  # (layer, expert) -> Future-like event holder
         self._queue = queue.Queue()

@@ -1,0 +1,558 @@
+"""`infer bench`: decode speed and IO of four ways to run the same MoE model.
+
+Modes, each measured in a fresh subprocess so that its peak memory is its own:
+
+- ``resident``: mlx-lm's own model with every expert in memory. It is built
+  from the prep folder itself: mlx-lm loads the resident weights and the
+  model's ``sanitize`` step adds every expert record, stacked per tensor
+  under the expert module's name, so mlx-lm quantizes and loads it exactly
+  as it would the source model (skipped when it does not fit in memory);
+- ``sync``: streaming, each missed expert read when it is demanded;
+- ``inproc``: streaming with prediction and reader threads in the process;
+- ``iod``: streaming with prediction through a private iod daemon.
+
+Decode steps follow a fixed text (teacher forcing) unless ``--free-run``;
+``tokens`` holds the model's greedy prediction at each step and must be the
+same in every mode. Each run starts cold (empty expert cache, fresh daemon).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from shared.units import format_size, parse_size
+
+MODES = ("resident", "sync", "inproc", "iod")
+DEFAULT_PROMPT = "The lighthouse keeper counted the ships that passed in the night"
+FORCED_TEXT = Path(__file__).with_name("data") / "corpus.txt"
+DEFAULT_DEPTH = 2
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="infer bench", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="prep folder")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--budget", default="0.25",
+                   help="expert cache: a fraction of all expert bytes (<= 1) or a size, e.g. 400M")
+    p.add_argument("--read-rate", type=float, default=0.0,
+                   help="MB/s cap on expert reads (emulates a slower device; 0 = none)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--free-run", action="store_true",
+                   help="feed back the greedy tokens instead of following the fixed text")
+    p.add_argument("--sessions", type=int, default=0,
+                   help="also run N concurrent sessions on one daemon, then with a daemon each")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="prediction depth (layers)")
+    p.add_argument("--arena", default=None,
+                   help="arena of the benchmark's daemons (default: a staging area, see budget.py)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--iod", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def cache_bytes_of(budget: str, expert_bytes: int) -> int:
+    """``--budget``: a fraction of all expert bytes, or a size."""
+    try:
+        f = float(budget)
+    except ValueError:
+        return parse_size(budget)
+    if not 0 <= f <= 1:
+        raise ValueError(f"--budget {budget}: a fraction must be between 0 and 1 (or give a size)")
+    return int(expert_bytes * f)
+
+
+# ---- memory -------------------------------------------------------------------------
+
+
+def proc_status(pid="self") -> dict:
+    """VmHWM, VmRSS, RssAnon, RssFile, RssShmem of a process, in bytes ({} off Linux)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class PeakRSS:
+    """Peak resident memory of this process, shared memory left out (it is
+    the daemon's arena, counted with the daemon). Samples /proc every 10 ms
+    and also takes VmHWM minus the shared memory mapped at the end."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _sample(self):
+        s = proc_status()
+        if s:
+            self.peak = max(self.peak, s.get("RssAnon", 0) + s.get("RssFile", 0))
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            self._sample()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        self._sample()
+        s = proc_status()
+        if not s:  # macOS: ru_maxrss (shared memory included)
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return max(self.peak, s["VmHWM"] - s.get("RssShmem", 0))
+
+
+# ---- the decode loop ---------------------------------------------------------------
+
+
+def forced_ids(tokenizer, n):
+    """The fixed text that decode steps follow (teacher forcing)."""
+    ids = tokenizer.encode(FORCED_TEXT.read_text(), add_special_tokens=False)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def decode(model, prompt_ids, follow, n, store=None):
+    """One cold run: prefill, then ``n - 1`` decode steps. Returns timings,
+    the greedy prediction at every step, and the stall time of decode."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    logits = model(mx.array(prompt_ids)[None], cache=cache)
+    y = mx.argmax(logits[0, -1])
+    tokens = [int(y.item())]
+    t1 = time.perf_counter()
+    stall0 = store.stats["stall_s"] if store else 0.0
+    fetched0 = store.stats["fetched_bytes"] if store else 0
+    misses0 = store.stats["misses"] if store else 0
+    for i in range(n - 1):
+        nxt = tokens[-1] if follow is None else follow[i]
+        logits = model(mx.array([[nxt]]), cache=cache)
+        tokens.append(int(mx.argmax(logits[0, -1]).item()))
+    t2 = time.perf_counter()
+    steps = max(n - 1, 1)
+    out = {
+        "tokens": tokens,
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "prefill_tok_s": len(prompt_ids) / (t1 - t0),
+        "decode_tok_s": (n - 1) / (t2 - t1) if n > 1 else 0.0,
+    }
+    if store is not None:
+        out["stall_s"] = store.stats["stall_s"] - stall0
+        out["decode_bytes"] = store.stats["fetched_bytes"] - fetched0
+        out["decode_misses"] = store.stats["misses"] - misses0
+        out["bytes_read_per_token"] = out["decode_bytes"] / steps
+    return out
+
+
+def reset_store(store):
+    """Back to a cold cache with zeroed figures, same modules and routers."""
+    store.stacks = {}
+    store.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
+    store.prediction = [[0, 0, 0] for _ in range(store.depth + 1)]
+    store._predicted = {}
+    store.trace = []
+
+
+# ---- the resident model -------------------------------------------------------------
+
+
+def load_resident(model_dir):
+    """mlx-lm's own model with all experts in memory, from a prep folder."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_lm.utils import _get_classes, load_model
+
+    from shared.blob import NUMPY_DTYPES, Manifest
+    from .streaming import _MX_DTYPES
+
+    model_dir = Path(model_dir)
+    manifest = Manifest.load(model_dir)
+
+    def experts():
+        out = {}
+        for lay in manifest.layers:
+            raw = np.fromfile(model_dir / lay.file, dtype=np.uint8)
+            raw = raw[: lay.num_experts * lay.stride].reshape(lay.num_experts, lay.stride)
+            for s in lay.segments:
+                a = np.ascontiguousarray(raw[:, s.offset : s.offset + s.nbytes])
+                a = a.view(NUMPY_DTYPES[s.dtype]).reshape(lay.num_experts, *s.shape)
+                arr = mx.array(a)
+                if arr.dtype != _MX_DTYPES[s.dtype]:
+                    arr = arr.view(_MX_DTYPES[s.dtype])
+                out[f"{lay.module}.{s.projection}.{s.tensor}"] = arr
+            del raw
+        return out
+
+    def get_classes(config):
+        model_class, args_class = _get_classes(config)
+
+        class Resident(model_class):
+            def sanitize(self, weights):
+                if hasattr(model_class, "sanitize"):
+                    weights = super().sanitize(weights)
+                weights.update(experts())
+                return weights
+
+        Resident.__name__ = model_class.__name__
+        return Resident, args_class
+
+    model, config = load_model(model_dir, get_model_classes=get_classes)
+    tokenizer = load_tokenizer(model_dir, {}, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer
+
+
+def mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os as _os
+
+    return _os.sysconf("SC_PAGE_SIZE") * _os.sysconf("SC_PHYS_PAGES")
+
+
+# ---- one mode, in its own process ---------------------------------------------------
+
+
+def _start_daemon(arena, read_rate_mb, workers=4):
+    """A daemon of the benchmark's own (private run dir), stopped by closing
+    the returned pipe end. Returns (proc, pid, socket, folder, pipe w)."""
+    from iod.cli import spawn
+
+    folder = Path(tempfile.mkdtemp(prefix="iodb-", dir="/tmp"))
+    sock = folder / "iod.sock"
+    r, w = os.pipe()
+    try:
+        proc, pid = spawn(sock, ["--arena", str(arena), "--workers", str(workers),
+                                 "--read-rate", str(read_rate_mb)],
+                          log=folder / "iod.log", parent_fd=r)
+    finally:
+        os.close(r)
+    return proc, pid, sock, folder, w
+
+
+def _stop_daemon(d):
+    import shutil
+
+    proc, _, _, folder, w = d
+    os.close(w)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _daemon_bytes(client):
+    return client.stats()["counters"]["bytes_read"]
+
+
+def worker(args) -> dict:
+    """Measure one mode; returns its result dict."""
+    import mlx.core as mx
+
+    from shared.blob import Manifest
+    from .belady import belady_misses
+    from .budget import staging_arena_bytes
+
+    peak = PeakRSS()
+    mode = args.worker
+    manifest = Manifest.load(args.model)
+    cache_bytes = cache_bytes_of(args.budget, manifest.expert_bytes)
+    rate = args.read_rate * 1e6
+    result = {"mode": mode}
+
+    if mode == "resident":
+        from .budget import resident_bytes
+
+        need = resident_bytes(args.model) + manifest.expert_bytes
+        if need > 0.8 * mem_available():
+            return {"mode": mode, "skipped": f"needs {format_size(need)}, "
+                    f"{format_size(mem_available())} available"}
+        model, tokenizer = load_resident(args.model)
+        store = None
+    else:
+        from .loader import load_streaming
+        from .sources import SyncSource, ThreadedSource
+
+        if mode == "sync":
+            source = SyncSource(args.model, read_rate=rate)
+        elif mode == "inproc":
+            source = ThreadedSource(args.model, read_rate=rate)
+        else:
+            source = None
+        depth = 0 if mode == "sync" else args.depth
+        model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
+        store.depth = depth
+        store.prediction = [[0, 0, 0] for _ in range(depth + 1)]
+
+    from .run import encode_prompt
+
+    prompt_ids = encode_prompt(tokenizer, args.prompt)
+    follow = None if args.free_run else forced_ids(tokenizer, args.max_tokens)
+    arena = args.arena or staging_arena_bytes(manifest, args.depth)
+    runs, daemon_peak, daemon_read = [], 0, []
+    for r in range(args.runs):
+        daemon = client = None
+        if mode == "iod":
+            from .client import IodClient
+
+            if args.iod:
+                client = IodClient(args.model, iod=args.iod)
+            else:
+                daemon = _start_daemon(arena, args.read_rate)
+                client = IodClient(args.model, iod=str(daemon[2]))
+            store.source = client
+            read0 = _daemon_bytes(client)
+        if store is not None:
+            reset_store(store)
+        if args.wait_go and r == 0:
+            print("READY", flush=True)
+            sys.stdin.readline()
+        run = decode(model, prompt_ids, follow, args.max_tokens, store)
+        if store is not None:
+            run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
+            run["trace"] = store.trace
+            run["prediction"] = store.prediction_stats()
+        if client is not None:
+            daemon_read.append(_daemon_bytes(client) - read0)
+            if daemon is not None:
+                daemon_peak = max(daemon_peak, proc_status(daemon[1]).get("VmHWM", 0))
+            client.close()
+        if daemon is not None:
+            _stop_daemon(daemon)
+        runs.append(run)
+        mx.clear_cache()
+    if store is not None and mode != "iod":
+        store.source.close()
+
+    last = runs[-1]
+    for run in runs:
+        if run["tokens"] != last["tokens"]:
+            raise AssertionError(f"{mode}: tokens differ between runs")
+    med = statistics.median
+    result.update({
+        "decode_tok_s": med(r["decode_tok_s"] for r in runs),
+        "decode_tok_s_runs": [r["decode_tok_s"] for r in runs],
+        "prefill_tok_s": med(r["prefill_tok_s"] for r in runs),
+        "prefill_tok_s_runs": [r["prefill_tok_s"] for r in runs],
+        "prompt_tokens": len(prompt_ids),
+        "tokens": last["tokens"],
+        "peak_rss_infer": peak.stop(),
+        "peak_rss_iod": daemon_peak,
+    })
+    if store is None:
+        result.update({"stall_fraction": 0.0, "hit_rate": 1.0, "misses": 0, "belady_misses": 0,
+                       "bytes_read_per_token": 0.0, "recall": None, "precision": None})
+        return result
+    capacity = {l: s.capacity for l, s in store.stacks.items()}
+    total = last["hits"] + last["misses"]
+    pred = last["prediction"]
+    result.update({
+        "cache_bytes": cache_bytes,
+        "cache_experts_per_layer": sorted(set(capacity.values())),
+        "stall_fraction": med(r["stall_s"] / r["decode_s"] for r in runs),
+        "stall_fraction_runs": [r["stall_s"] / r["decode_s"] for r in runs],
+        "hit_rate": last["hits"] / total if total else 1.0,
+        "misses": last["misses"],
+        "belady_misses": belady_misses(last["trace"], capacity),
+        "decode_misses": last["decode_misses"],
+        "bytes_read_per_token": last["bytes_read_per_token"],
+        "recall": pred.get(1, {}).get("recall"),
+        "precision": pred.get(1, {}).get("precision"),
+        "prediction": {str(d): v for d, v in pred.items()},
+        "decode_s_per_token": med(r["decode_s"] for r in runs) / max(args.max_tokens - 1, 1),
+        "trace_calls": len(last["trace"]),
+    })
+    if daemon_read:
+        result["daemon_bytes_read"] = daemon_read[-1]
+    return result
+
+
+# ---- orchestration ------------------------------------------------------------------
+
+
+def _worker_argv(args, mode, out, extra=()):
+    argv = [sys.executable, "-m", "infer.bench", "--worker", mode, "--out", str(out),
+            "--model", str(args.model), "--prompt", args.prompt, "--budget", str(args.budget),
+            "--read-rate", str(args.read_rate), "--max-tokens", str(args.max_tokens),
+            "--runs", str(args.runs), "--depth", str(args.depth), *extra]
+    if args.free_run:
+        argv.append("--free-run")
+    if args.arena:
+        argv += ["--arena", str(args.arena)]
+    return argv
+
+
+def run_mode(args, mode, tmp) -> dict:
+    out = Path(tmp) / f"{mode}.json"
+    p = subprocess.run(_worker_argv(args, mode, out), capture_output=True, text=True)
+    if p.returncode != 0 or not out.exists():
+        raise RuntimeError(f"mode {mode} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def run_sessions(args, tmp, shared: bool) -> dict:
+    """N sessions decoding the same prompt at once, on one daemon or one each."""
+    from .budget import staging_arena_bytes
+    from shared.blob import Manifest
+
+    n = args.sessions
+    sub = argparse.Namespace(**vars(args))
+    sub.runs = 1
+    arena = args.arena or staging_arena_bytes(Manifest.load(args.model), args.depth)
+    daemons = [_start_daemon(arena, args.read_rate) for _ in range(1 if shared else n)]
+    from .client import IodClient
+
+    probes = [IodClient(args.model, iod=str(d[2])) for d in daemons]
+    before = [_daemon_bytes(c) for c in probes]
+    procs, outs = [], []
+    try:
+        for i in range(n):
+            d = daemons[0 if shared else i]
+            out = Path(tmp) / f"{'shared' if shared else 'private'}{i}.json"
+            outs.append(out)
+            procs.append(subprocess.Popen(
+                _worker_argv(sub, "iod", out, ["--iod", str(d[2]), "--wait-go"]),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for p in procs:  # all loaded and cold: start together
+            line = p.stdout.readline()
+            if not line.startswith("READY"):
+                raise RuntimeError(f"session failed to start:\n{p.stderr.read()[-3000:]}")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            _, err = p.communicate()
+            if p.returncode != 0:
+                raise RuntimeError(f"session failed ({p.returncode}):\n{err[-3000:]}")
+        results = [json.loads(o.read_text()) for o in outs]
+        bytes_read = sum(_daemon_bytes(c) - b for c, b in zip(probes, before))
+    finally:
+        for c in probes:
+            c.close()
+        for d in daemons:
+            _stop_daemon(d)
+    return {"bytes_read": bytes_read,
+            "decode_tok_s": [r["decode_tok_s"] for r in results],
+            "tokens_equal": all(r["tokens"] == results[0]["tokens"] for r in results),
+            "peak_rss_iod": 0}
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def table(report) -> str:
+    rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "hit", "misses",
+             "belady", "MB/tok", "recall", "prec", "rss infer", "rss iod")]
+    for name, m in report["modes"].items():
+        if "skipped" in m:
+            rows.append((name, "skipped: " + m["skipped"]) + ("",) * 11)
+            continue
+        rows.append((
+            name, _fmt(m["decode_tok_s"], ".2f"),
+            "/".join(f"{x:.2f}" for x in m["decode_tok_s_runs"]),
+            _fmt(m["prefill_tok_s"], ".1f"), _fmt(m["stall_fraction"], ".2f"),
+            _fmt(m["hit_rate"], ".3f"), str(m["misses"]), str(m["belady_misses"]),
+            _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _fmt(m["recall"], ".2f"),
+            _fmt(m["precision"], ".2f"), format_size(m["peak_rss_infer"]),
+            format_size(m["peak_rss_iod"]) if m["peak_rss_iod"] else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        res = worker(args)
+        args.out.write_text(json.dumps(res))
+        return 0
+
+    from .loader import PrepFolderError, check_prep_folder
+
+    try:
+        manifest = check_prep_folder(args.model)
+        cache_bytes = cache_bytes_of(args.budget, manifest.expert_bytes)
+        if args.arena:
+            parse_size(args.arena)
+    except (PrepFolderError, ValueError) as e:
+        print(f"infer bench: {e}", file=sys.stderr)
+        return 2
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"infer bench: unknown mode(s) {', '.join(bad)} (choose from {', '.join(MODES)})",
+              file=sys.stderr)
+        return 2
+    report = {"model": str(Path(args.model).resolve()), "budget_bytes": cache_bytes,
+              "expert_bytes": manifest.expert_bytes, "read_rate": args.read_rate * 1e6,
+              "prompt": args.prompt, "max_tokens": args.max_tokens, "runs": args.runs,
+              "teacher_forcing": not args.free_run, "depth": args.depth, "modes": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        for mode in modes:
+            print(f"infer bench: {mode} ...", file=sys.stderr, flush=True)
+            try:
+                report["modes"][mode] = run_mode(args, mode, tmp)
+            except RuntimeError as e:
+                print(f"infer bench: {e}", file=sys.stderr)
+                return 1
+        ran = {m: r["tokens"] for m, r in report["modes"].items() if "tokens" in r}
+        report["tokens_equal"] = len({tuple(t) for t in ran.values()}) <= 1
+        if args.sessions > 0:
+            print(f"infer bench: {args.sessions} sessions ...", file=sys.stderr, flush=True)
+            try:
+                shared = run_sessions(args, tmp, shared=True)
+                private = run_sessions(args, tmp, shared=False)
+            except RuntimeError as e:
+                print(f"infer bench: {e}", file=sys.stderr)
+                return 1
+            alone = report["modes"].get("iod", {}).get("decode_tok_s")
+            report["sessions"] = {"n": args.sessions, "shared": shared, "private": private,
+                                  "alone_decode_tok_s": alone}
+    print(table(report))
+    if "sessions" in report:
+        s = report["sessions"]
+        print(f"sessions {s['n']}: shared read {format_size(s['shared']['bytes_read'])}, "
+              f"decode {['%.2f' % x for x in s['shared']['decode_tok_s']]} tok/s; private read "
+              f"{format_size(s['private']['bytes_read'])}, decode "
+              f"{['%.2f' % x for x in s['private']['decode_tok_s']]} tok/s")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    if not report["tokens_equal"]:
+        print("infer bench: the modes generated different tokens", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

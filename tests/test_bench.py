@@ -1,0 +1,109 @@
+"""`infer bench` end to end on a tiny model, and the offline cache simulations."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from infer.belady import belady_layer, belady_misses, simulate
+from infer.bench import cache_bytes_of
+
+KEYS = ("decode_tok_s", "decode_tok_s_runs", "prefill_tok_s", "stall_fraction", "hit_rate",
+        "misses", "belady_misses", "bytes_read_per_token", "recall", "precision",
+        "peak_rss_infer", "peak_rss_iod", "tokens")
+
+
+def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
+    prep = prep_model("qwen3_moe")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep),
+                        "--runs", "1", "--max-tokens", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert set(report) >= {"model", "budget_bytes", "read_rate", "modes"}
+    assert list(report["modes"]) == ["resident", "sync", "inproc", "iod"]
+    tokens = None
+    for name, mode in report["modes"].items():
+        for key in KEYS:
+            assert key in mode, (name, key)
+        assert len(mode["tokens"]) == 8 and len(mode["decode_tok_s_runs"]) == 1
+        tokens = tokens or mode["tokens"]
+        assert mode["tokens"] == tokens, name
+        assert mode["belady_misses"] <= mode["misses"]
+    assert report["tokens_equal"] is True
+    assert report["modes"]["iod"]["peak_rss_iod"] > 0
+    assert report["modes"]["sync"]["misses"] > 0
+    assert report["modes"]["iod"]["recall"] is not None
+    assert report["modes"]["sync"]["recall"] is None  # no prediction in mode (b)
+    assert "iod" in r.stdout and "belady" in r.stdout
+
+
+def test_bench_sessions_share_one_daemon(prep_model, tmp_path):
+    prep = prep_model("qwen3_moe")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep),
+                        "--runs", "1", "--max-tokens", "8", "--modes", "iod", "--sessions", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())["sessions"]
+    assert s["n"] == 2 and s["alone_decode_tok_s"] > 0
+    for setup in ("shared", "private"):
+        assert len(s[setup]["decode_tok_s"]) == 2 and s[setup]["tokens_equal"]
+        assert s[setup]["bytes_read"] > 0
+    # one daemon serves both sessions: never more reads than a daemon each
+    assert s["shared"]["bytes_read"] <= s["private"]["bytes_read"]
+
+
+def test_bench_refuses_bad_arguments(prep_model, tmp_path):
+    from infer.bench import main
+
+    prep = prep_model("qwen3_moe")
+    assert main(["--model", str(tmp_path / "none")]) == 2
+    assert main(["--model", str(prep), "--budget", "1.5"]) == 2
+    assert main(["--model", str(prep), "--modes", "gpu"]) == 2
+
+
+def test_budget_argument_is_fraction_or_size():
+    assert cache_bytes_of("0.25", 1000) == 250
+    assert cache_bytes_of("1", 1000) == 1000
+    assert cache_bytes_of("4K", 1000) == 4096
+    with pytest.raises(ValueError):
+        cache_bytes_of("2.0", 1000)
+
+
+def test_belady_on_the_textbook_sequence():
+    seq = [frozenset([e]) for e in (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)]
+    assert belady_layer(seq, 3) == 7
+    assert belady_layer(seq, 4) == 6
+    assert belady_layer(seq, 0) == 12
+    assert simulate([(0, r) for r in seq], 3, "lru") == 10
+
+
+def test_belady_with_calls_of_several_experts_and_per_layer_capacity():
+    # two slots, calls alternating two pairs: Belady keeps the pair needed
+    # next-soonest after each call; by hand: 2 + 2 + 0 + 2 + 0 + 2
+    a, b = frozenset([0, 1]), frozenset([2, 3])
+    trace = [(0, a), (0, b)] * 3
+    assert belady_misses(trace, 2) == 8
+    assert simulate(trace, 2, "lru") == 12  # LRU always evicts the pair needed next
+    assert belady_misses(trace, 4) == 4 and simulate(trace, 4, "lru") == 4
+    # per layer: layer 0 has room for nothing, layer 1 for its pair
+    trace = [(0, a), (1, a), (0, a), (1, a)]
+    assert belady_misses(trace, {0: 0, 1: 2}) == 4 + 2
+    # a call larger than the stack: what fits stays (the store's compact fallback)
+    trace = [(0, frozenset([0, 1, 2])), (0, frozenset([0, 1, 2]))]
+    assert belady_misses(trace, 2) == 3 + 1
+    assert simulate(trace, 2, "lru") == 3 + 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "decay16"])
+def test_online_policies_never_beat_belady(policy):
+    import random
+
+    rng = random.Random(0)
+    trace = [(l, frozenset(rng.sample(range(16), 3) if rng.random() < 0.5 else [l, l + 1, 2]))
+             for _ in range(200) for l in range(3)]
+    for cap in (0, 2, 5, 9, 16):
+        assert belady_misses(trace, cap) <= simulate(trace, cap, policy)
