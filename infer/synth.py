@@ -8,6 +8,7 @@ model never sits in memory whole.
 """
 
 import argparse
+from dataclasses import dataclass
 import json
 import os
 import shutil
@@ -31,12 +32,41 @@ QUANTS = {
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 SHARD_BYTES = 1 << 30
 
-# Routing calibration (see `infer synth --routing-report`): the embedding's
-# scale sets how much of each token survives in the residual stream against
-# the layer outputs, the router's scale how sharp its choice is.
-EMBED_STD = 1.0
-ROUTER_GAIN = 1.0
-WEIGHT_GAIN = 1.0
+# Routing calibration (see `infer synth --routing-report` and docs/format.md).
+# Every token embedding shares a mean direction m (mean_ratio times the size of
+# its own part); queries and keys read m, so through RoPE attention favours
+# recent tokens (qk_gain sets how sharply); values, routers and experts ignore
+# m. The router thus sees the token plus its recent context: consecutive tokens
+# share some experts, and over a text the context wanders through all of them.
+@dataclass(frozen=True)
+class Calibration:
+    embed_std: float = 0.01
+    mean_ratio: float = 2.0  # 0 turns the structure off: plain random weights
+    qk_gain: float = 2.4  # softmax attention (q_norm weight, or q/k scale)
+    qk_noise: float = 1.0  # token-dependent part of q and k
+    mla_gain: float = 1.75  # DeepSeek MLA's rotary query
+    linear_q_gain: float = 1.0  # Qwen3-Next linear attention's query
+    a_range: tuple = (0.003, 0.4)  # Qwen3-Next decay rates
+    router_gain: float = 1.0
+    weight_gain: float = 1.0
+    router_ortho: bool = True
+
+
+# Measured with --routing-report on the tiny preset (small where given).
+CALIBRATION = {
+    "qwen3_moe": {},
+    "qwen3_next": {},
+    "mixtral": {"qk_gain": 1.35},
+    "gpt_oss": {"qk_gain": 1.05},
+    "deepseek_v3": {},
+}
+CAL_OVERRIDE = {}  # for calibration sweeps
+QUERY_NAMES = ("q_proj",)  # their token-dependent part scales with qk_gain too
+
+
+def calibration(arch: str, preset: str) -> Calibration:
+    d = {**CALIBRATION.get(arch, {}), **CALIBRATION.get((arch, preset), {}), **CAL_OVERRIDE}
+    return Calibration(**d)
 
 
 def fail(msg: str) -> int:
@@ -100,7 +130,17 @@ def _key(seed: int, name: str, index: int = 0):
 class Generator:
     """Draws each tensor of a module tree; yields (name, array) one at a time."""
 
-    def __init__(self, seed: int, dtype, quant_plan: dict, routers: set, expert_chunk_bytes=64 << 20):
+    def __init__(self, seed: int, dtype, quant_plan: dict, routers: set, expert_chunk_bytes=64 << 20,
+                 hidden=None, head_dim=None, config=None, cal: Calibration = Calibration()):
+        self.cal = cal
+        self.config = config
+        self.hidden = hidden
+        self.head_dim = head_dim
+        self.mean_dir = None
+        if hidden:
+            m = mx.random.normal((hidden,), key=_key(seed, "__mean_direction__"))
+            self.mean_dir = m / mx.linalg.norm(m)
+        self.qk_normed = set()
         self.seed = seed
         self.dtype = dtype
         self.plan = quant_plan
@@ -109,11 +149,13 @@ class Generator:
 
     def std(self, module_path: str, shape) -> float:
         if module_path.endswith("embed_tokens"):
-            return EMBED_STD
-        gain = ROUTER_GAIN if module_path in self.routers else WEIGHT_GAIN
+            return self.cal.embed_std
+        gain = self.cal.router_gain if module_path in self.routers else self.cal.weight_gain
+        if module_path.rpartition(".")[2] in QUERY_NAMES:
+            gain *= self.cal.qk_gain
         return gain / shape[-1] ** 0.5
 
-    def normal(self, name: str, shape, std: float):
+    def normal(self, name: str, mpath: str, shape, std: float):
         """Per-slice keys along axis 0 for 3-D tensors, so memory stays bounded
         by a chunk and the values do not depend on the chunking."""
         per = max(1, self.chunk_bytes // (4 * shape[1] * shape[2]))
@@ -122,10 +164,11 @@ class Generator:
                 mx.random.normal(tuple(shape[1:]), key=_key(self.seed, name, e))
                 for e in range(e0, min(shape[0], e0 + per))
             ]
-            yield (mx.stack(rows) * std).astype(self.dtype)
+            yield self.structure(mpath, mx.stack(rows) * std).astype(self.dtype)
 
     def tensors(self, module: nn.Module, prefix: str = ""):
         mods = dict(module.named_modules())
+        self.qk_normed = {f"{prefix}{p[: -len('.q_norm')]}" for p in mods if p.endswith(".q_norm")}
         for name, init in tree_flatten(module.parameters()):
             path, _, leaf = name.rpartition(".")
             full = f"{prefix}{name}"
@@ -136,12 +179,12 @@ class Generator:
                 std = self.std(mpath, init.shape)
                 q = self.plan.get(mpath)
                 if init.ndim >= 3:
-                    chunks = list(self._chunks(full, init.shape, std, q))
+                    chunks = list(self._chunks(full, mpath, init.shape, std, q))
                     parts = list(zip(*chunks))
                     outs = [mx.concatenate(p, axis=0) for p in parts]
                 else:
                     w = mx.random.normal(init.shape, key=_key(self.seed, full)) * std
-                    w = w.astype(self.dtype)
+                    w = self.structure(mpath, w).astype(self.dtype)
                     outs = list(self._quantize(w, q)) if q else [w]
                 names = [full] if not q else [f"{mpath}.weight", f"{mpath}.scales", f"{mpath}.biases"][: len(outs)]
                 for n, a in zip(names, outs):
@@ -156,11 +199,95 @@ class Generator:
                 # Norms, conv kernels, SSM constants, sinks: mlx-lm's own init,
                 # drawn from the global key seeded before the model was built.
                 a = init.astype(self.dtype) if mx.issubdtype(init.dtype, mx.floating) else init
+                if path.endswith("q_norm") and leaf == "weight":
+                    a = a * self.cal.qk_gain  # qk-norm would undo a smaller q_proj
+                if leaf == "A_log" and self.cal.mean_ratio:
+                    u = mx.random.uniform(*self.cal.a_range, shape=init.shape, key=_key(self.seed, full))
+                    a = mx.log(u).astype(a.dtype)
                 mx.eval(a)
                 yield full, a
 
-    def _chunks(self, name, shape, std, q):
-        for w in self.normal(name, shape, std):
+    def structure(self, mpath: str, w):
+        """Routing structure (see the module's calibration notes): every token
+        embedding shares a mean direction m; queries and keys read (mostly) m,
+        so through RoPE attention favours recent tokens; values and routers
+        ignore m, so the router sees the tokens and their recent context."""
+        m, hd = self.mean_dir, self.head_dim
+        if m is None or self.cal.mean_ratio == 0:
+            return w
+        last = mpath.rpartition(".")[2]
+        if last == "q_b_proj" and self.config:
+            return self._mla_query(mpath, w)
+        if w.shape[-1] != self.hidden:
+            return w
+        if mpath.endswith("embed_tokens"):
+            return w + (self.cal.mean_ratio * self.cal.embed_std * self.hidden**0.5) * m
+        if last == "in_proj_qkvz" and self.config:
+            # Qwen3-Next linear attention: a constant query makes the output a
+            # decaying sum of recent values, the way softmax attention is made
+            # to favour recent tokens above.
+            c = self.config
+            nk, dn = c["linear_num_key_heads"], c["linear_key_head_dim"]
+            group = w.shape[0] // nk
+            zdim = (group - 2 * dn) // 2
+            w = w - (w @ m)[..., None] * m
+            # rows of one key-head group: q (dn), k (dn), v, z (zdim); the
+            # output gate z is made constant too, or it would scramble the sum
+            a = mx.random.normal((dn,), key=_key(self.seed, mpath + ".q_direction"))
+            zero = mx.zeros
+            const = mx.concatenate([a * self.cal.linear_q_gain, zero((dn + zdim,)), mx.ones((zdim,)) * (2.0 / self.hidden**0.5)])
+            keep = mx.concatenate([mx.ones((dn,)) * self.cal.qk_noise, mx.ones((dn + zdim,)), zero((zdim,))])
+            const, keep = mx.tile(const, (nk,)), mx.tile(keep, (nk,))
+            return w * keep[:, None] + const[:, None] * m[None, :]
+        if last == "q_a_proj":
+            b = self._mla_b(mpath.rpartition(".")[0])
+            return (w - (w @ m)[..., None] * m) * self.cal.qk_noise + b[:, None] * m[None, :]
+        if last == "kv_a_proj_with_mqa" and self.config:
+            # DeepSeek MLA: the shared rotary key reads m, the latent does not
+            r = self.config["qk_rope_head_dim"]
+            a = self._mla_a(mpath.rpartition(".")[0])
+            w = w - (w @ m)[..., None] * m
+            k = a[:, None] * m[None, :] / (0.9 * self.hidden**0.5)
+            return mx.concatenate([w[:-r], k], axis=0)
+        if last in ("q_proj", "k_proj") and hd and w.shape[0] % hd == 0:
+            parent = mpath.rpartition(".")[0]
+            a = mx.random.normal((hd,), key=_key(self.seed, parent + ".qk_direction"))
+            a = mx.tile(a, (w.shape[0] // hd,))
+            gain = self.cal.qk_gain
+            if parent not in self.qk_normed:
+                # without qk-norm, q and k scale with m.x, about sqrt(hidden)
+                gain = self.cal.qk_gain / self.hidden**0.5
+            return a[:, None] * m[None, :] * gain + w * self.cal.qk_noise
+        # everything else that reads the residual stream ignores m
+        w = w - (w @ m)[..., None] * m
+        if mpath in self.routers and self.cal.router_ortho and w.shape[0] <= w.shape[1]:
+            # equal, orthogonal router rows: no expert is favoured by construction
+            q, _ = mx.linalg.qr(w.T.astype(mx.float32), stream=mx.cpu)
+            w = q.T * (w.shape[1] ** 0.5) * (self.cal.router_gain / w.shape[1] ** 0.5)
+            w = w - (w @ m)[..., None] * m
+        return w
+
+    def _mla_a(self, parent):
+        return mx.random.normal((self.config["qk_rope_head_dim"],), key=_key(self.seed, parent + ".qk_direction"))
+
+    def _mla_b(self, parent):
+        return mx.random.normal((self.config["q_lora_rank"],), key=_key(self.seed, parent + ".q_a_direction"))
+
+    def _mla_query(self, mpath, w):
+        """q_b_proj: each head's rotary query is the shared key direction a,
+        read from the (constant) normalized q_a output; the rest stays random."""
+        c = self.config
+        nope, r, heads = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["num_attention_heads"]
+        parent = mpath.rpartition(".")[0]
+        a, b = self._mla_a(parent), self._mla_b(parent)
+        bn = b / mx.sqrt(mx.mean(b * b))  # what q_a_layernorm makes of it
+        pe = a[:, None] * bn[None, :] / mx.sum(bn * bn) * self.cal.mla_gain
+        w = w.reshape(heads, nope + r, -1)
+        w = mx.concatenate([w[:, :nope] * self.cal.qk_noise, mx.broadcast_to(pe, (heads, r, w.shape[-1]))], axis=1)
+        return w.reshape(heads * (nope + r), -1)
+
+    def _chunks(self, name, mpath, shape, std, q):
+        for w in self.normal(name, mpath, shape, std):
             out = tuple(self._quantize(w, q)) if q else (w,)
             mx.eval(out)
             yield out
@@ -217,6 +344,10 @@ class ShardWriter:
         (self.folder / f"{self.stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _head_dim(config):
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def mtp_module(config, args):
     """Qwen3-Next's multi-token-prediction head, named as in the HF checkpoint."""
     from mlx_lm.models import qwen3_next
@@ -253,13 +384,14 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
     dt = DTYPES[dtype]
     shard_bytes = shard_bytes or SHARD_BYTES
 
+    cal = calibration(config["model_type"], preset)
     mx.random.seed(seed)
     model, args = build_model(config)
     plan = quant_plan(model, q)
     for path, p in plan.items():
         if p != q:
             config["quantization"][path] = p
-    gen = Generator(seed, dt, plan, router_paths(model))
+    gen = Generator(seed, dt, plan, router_paths(model), hidden=config["hidden_size"], head_dim=_head_dim(config), config=config, cal=cal)
     writer = ShardWriter(out, "model", shard_bytes)
     n_layers = len(getattr(model, "layers", [])) or config["num_hidden_layers"]
     done = set()
@@ -287,7 +419,7 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
             if isinstance(p, dict):
                 mplan[path] = {"mode": "affine", **p}
                 config["quantization"][path] = mplan[path]
-        mgen = Generator(seed + 1, dt, mplan, router_paths(mtp))
+        mgen = Generator(seed + 1, dt, mplan, router_paths(mtp), hidden=config["hidden_size"], head_dim=_head_dim(config), config=config, cal=cal)
         mwriter = ShardWriter(out, "mtp", 1 << 62)  # always one mtp.safetensors
         for name, a in mgen.tensors(mtp):
             mwriter.add(name, a)

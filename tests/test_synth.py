@@ -163,3 +163,44 @@ def test_refuses_non_empty_out(tmp_path, capsys):
     assert synth_main(["--arch", "qwen3_moe", "--preset", "tiny", "--out", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["x"]
+
+
+# --- routing ----------------------------------------------------------------------------------
+
+
+def test_lru_and_overlap_statistics():
+    import numpy as np
+
+    from infer.synth_routing import layer_stats, lru_hit_rate
+
+    sets = np.array([[0, 1], [1, 2], [2, 3], [0, 1]])
+    assert lru_hit_rate(sets, 4) == 4 / 8
+    assert lru_hit_rate(sets, 2) == 2 / 8
+    s = layer_stats("m", 16, sets)
+    assert (s.distinct, s.overlap, s.lru_capacity, s.tokens) == (4, 2 / 3, 2, 4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_routing_is_realistic(arch, synth_model):
+    """Over ~1k tokens nearly all experts are used, consecutive tokens share
+    only some, and an LRU of 1/8 of the experts hits roughly 50-75%."""
+    from infer.synth_routing import fixed_tokens, route
+
+    model, tok = mlx_lm.load(str(synth_model(arch)))
+    stats = route(model, fixed_tokens(tok, 1024))
+    n = len(stats)
+    used = sum(s.distinct / s.num_experts for s in stats) / n
+    overlap = sum(s.overlap / s.top_k for s in stats) / n
+    hit = sum(s.lru_hit for s in stats) / n
+    assert used >= 0.85, used
+    assert 0.25 <= overlap <= 0.75, overlap
+    assert 0.50 <= hit <= 0.75, hit
+
+
+def test_routing_report_cli(synth_model, prep_model, capsys):
+    assert synth_main(["--routing-report", str(synth_model("mixtral")), "--tokens", "256"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5 and lines[0].startswith("model.layers.0.block_sparse_moe.switch_mlp")
+    assert "LRU(4) hit" in lines[0] and lines[-1].startswith("mean over 4 layers")
+    assert synth_main(["--routing-report", str(prep_model("mixtral"))]) == 2
+    assert capsys.readouterr().err.startswith("infer synth: ")
