@@ -97,6 +97,7 @@ class IodClient:
         self._requested = {}  # (layer, expert) -> req_id of the PREFETCH
         self._pending = {}  # req_id -> (kind, layer, experts, send ns)
         self._replies = {}  # req_id -> terminal reply awaited by a blocking call
+        self._prefetch_sent = {}  # req_id -> pending entry, kept for hop stamps (profile only)
         self._next_req = 1
 
     def _connect(self):
@@ -391,7 +392,7 @@ class IodClient:
             return
         self._held[key] = (ref[1], ref[2], ref[3])
         self._unused.add(key)
-        pend = self._pending.get(req)
+        pend = self._pending.get(req) or self._prefetch_sent.get(req)
         self._log(pend, msg.layer, ref, t_recv, "prefetch")
 
     def _log(self, pend, layer, ref, t_recv, kind):
@@ -428,6 +429,8 @@ class IodClient:
         self.counters["prefetch_requests"] += 1
         self.counters["prefetched"] += len(todo)
         self._send(P.Prefetch(req, self.model_id, layer, todo), "prefetch", layer, todo)
+        if self.profile:  # the Ok reply drops the pending entry before the Readys come
+            self._prefetch_sent[req] = self._pending[req]
 
     def fetch(self, layer, experts) -> dict:
         """Read-only views of each expert's record bytes, pinned until

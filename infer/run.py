@@ -28,6 +28,8 @@ def build_parser():
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="write trace.json, latency.png and summary.{json,md} of the expert requests")
     return p
 
 
@@ -107,6 +109,11 @@ def main(argv=None) -> int:
 
     try:
         model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
+        profiler = None
+        if args.profile:
+            from .profile import attach
+
+            profiler = attach(store, source)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         ids = encode_prompt(tokenizer, prompt, args.ignore_chat_template, args.system_prompt)
         if args.seed is not None:
@@ -119,6 +126,8 @@ def main(argv=None) -> int:
             model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
         ):
             tokens.append(response.token)
+            if profiler:
+                profiler.token()
             text += response.text
             if not args.json:
                 print(response.text, end="", flush=True)
@@ -134,6 +143,9 @@ def main(argv=None) -> int:
         # shared by every session of the daemon: the others' reads count too
         stats["daemon_bytes_read"] = daemon_bytes_read(source) - disk_before
         stats["daemon_pid"] = getattr(source, "daemon_pid", 0)
+        if profiler:
+            profiler.write(args.profile, stats)
+            print(f"infer run: profile in {args.profile}", file=sys.stderr)
     except DaemonDead as e:
         print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1

@@ -107,6 +107,7 @@ class ExpertStore:
         self.next_layers = {}  # layer -> the MoE layers after it, in order
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
         self.trace = None  # set to a list to record (layer, experts) per call
+        self.profiler = None  # an infer.profile.Profiler: per-layer spans
         # per depth: [true positives, predicted, actual]
         self.prediction = [[0, 0, 0] for _ in range(depth + 1)]
         self._predicted = {}  # layer -> {depth: set of experts}
@@ -214,14 +215,23 @@ class ExpertStore:
 
     def _fetch(self, layer, experts):
         layout = self.layouts[layer]
+        prof = self.profiler
+        t0 = time.monotonic_ns() if prof else 0
         tic = time.perf_counter()
         records = self._call("fetch", layer, experts, retry=True)
         self.stats["stall_s"] += time.perf_counter() - tic
+        t1 = time.monotonic_ns() if prof else 0
         try:
             out = {e: record_to_arrays(layout, records[e]) for e in experts}
             mx.eval([a for arrays in out.values() for a in arrays.values()])
         finally:
             self._call("release", layer, experts)
+        if prof:
+            t2 = time.monotonic_ns()
+            nbytes = layout.record_bytes * len(experts)
+            prof.span("stall", layer, t0, t1, len(experts))
+            prof.span("copy", layer, t1, t2, nbytes)
+            prof.copied(layer, experts, t2, nbytes)
         self.stats["fetched_bytes"] += layout.record_bytes * len(experts)
         return out
 
@@ -257,7 +267,10 @@ class StreamingExperts(nn.Module):
         # guesses are evaluated in the same sync.
         store = self._store
         guesses = store.predict(self._layout.layer, x) if store.depth else []
+        t0 = time.monotonic_ns() if store.profiler else 0
         mx.eval(indices, *[g[2] for g in guesses])
+        if store.profiler:  # the compute since the previous sync, up to this router
+            store.profiler.span("compute", self._layout.layer, t0, time.monotonic_ns())
         store.prefetch(guesses)
         ids = np.array(indices)
         unique = np.unique(ids)

@@ -1,0 +1,350 @@
+"""IPC latency profiling: where each millisecond of an expert request goes.
+
+Every record a session receives carries monotonic stamps (``time.monotonic_ns``,
+one clock for every process of the machine): client send, daemon received,
+queued, read start, read end, ready sent (from the daemon's slot reference),
+client receive, and copied into MLX (stamped here). ``Profiler`` collects
+them with the session's per-layer spans (compute up to the router, stall
+waiting for records, copy into MLX) and the token times; ``write`` turns
+them into
+
+- ``trace.json``: Chrome trace-event format (opens in Perfetto / chrome://tracing),
+  one track per process and thread;
+- ``latency.png``: a CDF per hop;
+- ``summary.json`` / ``summary.md``: p50/p90/p99 per hop, stall time per
+  layer, bytes per token.
+
+The daemon's stamps do not say which reader thread read a record, so disk
+reads are drawn on "lanes": overlapping reads go to different lanes, which
+is as many lanes as reads were under way at once, not thread identities.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+# hop name -> (start stamp, end stamp); a record lacking a stamp skips the hop
+HOPS = {
+    "send→daemon": ("client_send", "received"),
+    "daemon→queued": ("received", "queued"),
+    "queue wait": ("queued", "read_start"),
+    "disk read": ("read_start", "read_end"),
+    "read→ready sent": ("read_end", "sent"),
+    "hit: received→sent": ("received", "sent"),
+    "daemon→client": ("sent", "client_recv"),
+    "received→copied": ("client_recv", "copied"),
+    "request→MLX array": ("client_send", "copied"),
+}
+QUANTILES = (50, 90, 99)
+
+
+def percentiles(values, qs=QUANTILES) -> dict:
+    """{"n", "p50", "p90", "p99", "max", "mean"} of ``values`` (linear
+    interpolation between closest ranks, as numpy's default)."""
+    a = np.asarray(list(values), dtype=np.float64)
+    if a.size == 0:
+        return {"n": 0, **{f"p{q}": None for q in qs}, "max": None, "mean": None}
+    out = {"n": int(a.size)}
+    for q, v in zip(qs, np.percentile(a, qs)):
+        out[f"p{q}"] = float(v)
+    out["max"] = float(a.max())
+    out["mean"] = float(a.mean())
+    return out
+
+
+def record_kind(rec) -> str:
+    """acquire_hit / acquire_miss / prefetch_hit / prefetch_miss."""
+    read = "miss" if rec.get("read_start") else "hit"
+    return f"{rec['kind']}_{read}"
+
+
+def hop_samples(records) -> dict:
+    """hop name -> list of durations in µs over the records that have both stamps."""
+    out = {h: [] for h in HOPS}
+    for r in records:
+        hit = not r.get("read_start")
+        for hop, (a, b) in HOPS.items():
+            if hop == "hit: received→sent" and not hit:
+                continue
+            if hop in ("daemon→queued", "queue wait", "disk read", "read→ready sent") and hit:
+                continue
+            ta, tb = r.get(a), r.get(b)
+            # queued precedes received when a request joined an earlier read
+            if ta and tb and tb >= ta:
+                out[hop].append((tb - ta) / 1e3)
+    return out
+
+
+class Profiler:
+    """Collects a session's spans and its client's hop stamps.
+
+    Attach with ``store.profiler = Profiler(client)``; the streaming modules
+    then call ``span`` and ``copied``. ``client.profile`` must be true so the
+    client keeps its ``hop_log``.
+    """
+
+    def __init__(self, client=None):
+        self.client = client
+        self.spans = []  # (kind, layer, t0 ns, t1 ns, n)
+        self.tokens = []  # ns at which each token came out
+        self.copies = []  # (layer, t ns, bytes)
+        self._seen = 0  # hop_log entries indexed so far
+        self._latest = {}  # (layer, expert) -> its latest hop_log entry
+
+    def span(self, kind, layer, t0, t1, n=0):
+        self.spans.append((kind, layer, t0, t1, n))
+
+    def token(self, t=None):
+        import time
+
+        self.tokens.append(t or time.monotonic_ns())
+
+    def copied(self, layer, experts, t, nbytes=0):
+        """The records of ``experts`` are in MLX memory as of ``t``."""
+        log = self.client.hop_log if self.client is not None else []
+        for rec in log[self._seen:]:
+            self._latest[(rec["layer"], rec["expert"])] = rec
+        self._seen = len(log)
+        for e in experts:
+            rec = self._latest.pop((layer, int(e)), None)
+            if rec is not None and "copied" not in rec:
+                rec["copied"] = t
+        self.copies.append((layer, t, nbytes))
+
+    @property
+    def records(self):
+        return self.client.hop_log if self.client is not None else []
+
+    def write(self, folder, meta=None) -> dict:
+        """Write trace.json, latency.png, summary.json and summary.md; return the summary."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = dict(meta or {})
+        daemon_pid = getattr(self.client, "daemon_pid", 0) or 0
+        events = trace_events(self.records, self.spans, self.tokens, os.getpid(), daemon_pid)
+        (folder / "trace.json").write_text(json.dumps({"traceEvents": events,
+                                                       "displayTimeUnit": "ms"}))
+        summary = summarize(self.records, self.spans, self.tokens, self.copies, meta)
+        (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+        (folder / "summary.md").write_text(summary_markdown(summary))
+        plot_cdf(hop_samples(self.records), folder / "latency.png")
+        return summary
+
+
+# ---- trace.json ---------------------------------------------------------------------
+
+
+def lanes(intervals):
+    """Greedy interval partitioning: a lane index per (t0, t1), in input order,
+    such that intervals on one lane never overlap."""
+    order = sorted(range(len(intervals)), key=lambda i: intervals[i][0])
+    ends = []  # per lane: end of its last interval
+    out = [0] * len(intervals)
+    for i in order:
+        t0, t1 = intervals[i]
+        for k, end in enumerate(ends):
+            if end <= t0:
+                ends[k] = t1
+                out[i] = k
+                break
+        else:
+            out[i] = len(ends)
+            ends.append(t1)
+    return out
+
+
+def _meta(pid, tid, what, name):
+    return {"ph": "M", "pid": pid, "tid": tid, "name": what, "ts": 0, "args": {"name": name}}
+
+
+def _x(pid, tid, name, t0, t1, cat, args=None):
+    ev = {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat,
+          "ts": t0 / 1e3, "dur": max(t1 - t0, 0) / 1e3}
+    if args:
+        ev["args"] = args
+    return ev
+
+
+MAIN_TID, TOKENS_TID, REQ_TID0 = 1, 2, 100
+READ_TID0 = 1
+
+
+def trace_events(records, spans, tokens, pid, daemon_pid) -> list:
+    """Chrome trace events (timestamps in µs of the shared monotonic clock).
+
+    infer process: the main thread's layer spans (compute / stall / copy),
+    a token track, and request lanes (send → copied). iod process: disk
+    reads on lanes, and request handling (received → sent) on lanes."""
+    ev = [_meta(pid, 0, "process_name", f"infer (pid {pid})"),
+          _meta(pid, MAIN_TID, "thread_name", "main: layers"),
+          _meta(pid, TOKENS_TID, "thread_name", "tokens")]
+    for kind, layer, t0, t1, n in spans:
+        args = {"layer": layer}
+        if kind == "stall":
+            args["experts"] = n
+        elif kind == "copy":
+            args["bytes"] = n
+        ev.append(_x(pid, MAIN_TID, f"{kind} L{layer}", t0, t1, kind, args))
+    for i in range(1, len(tokens)):
+        ev.append(_x(pid, TOKENS_TID, f"token {i}", tokens[i - 1], tokens[i], "token"))
+
+    # one event per request: the records of an ACQUIRE share their stamps
+    groups = {}
+    for r in records:
+        if r.get("client_send") and r.get("client_recv"):
+            groups.setdefault((r["kind"], r["layer"], r["client_send"], r["client_recv"]), []).append(r)
+    reqs = list(groups.values())
+    ends = [(g[0]["client_send"], max(r.get("copied") or r["client_recv"] for r in g)) for g in reqs]
+    req_lanes = lanes(ends)
+    for g, lane, (t0, t1) in zip(reqs, req_lanes, ends):
+        r = g[0]
+        ev.append(_x(pid, REQ_TID0 + lane, f"{r['kind']} L{r['layer']} ×{len(g)}", t0, t1,
+                     "request", {"kinds": sorted({record_kind(x) for x in g}),
+                                 "experts": [x["expert"] for x in g],
+                                 "bytes": sum(x["size"] for x in g)}))
+    for lane in set(req_lanes):
+        ev.append(_meta(pid, REQ_TID0 + lane, "thread_name", f"requests (lane {lane})"))
+
+    if not daemon_pid:
+        return ev
+    ev.append(_meta(daemon_pid, 0, "process_name", f"iod (pid {daemon_pid})"))
+    seen, reads = set(), []
+    for r in records:
+        if r.get("read_start") and r.get("read_end"):
+            key = (r["layer"], r["expert"], r["read_start"])
+            if key not in seen:
+                seen.add(key)
+                reads.append(r)
+    spans_ = [(r["read_start"], r["read_end"]) for r in reads]
+    read_lanes = lanes(spans_)
+    for r, lane, (t0, t1) in zip(reads, read_lanes, spans_):
+        ev.append(_x(daemon_pid, READ_TID0 + lane, f"read L{r['layer']} E{r['expert']}", t0, t1,
+                     "disk", {"bytes": r["size"], "queued_us": (t0 - r["queued"]) / 1e3
+                              if r.get("queued") else None}))
+    for lane in set(read_lanes):
+        ev.append(_meta(daemon_pid, READ_TID0 + lane, "thread_name", f"disk reads (lane {lane})"))
+    held = {}
+    for r in records:
+        if r.get("received") and r.get("sent"):
+            held.setdefault((r["kind"], r["layer"], r["received"], r["sent"]), []).append(r)
+    held = list(held.values())
+    spans_ = [(g[0]["received"], g[0]["sent"]) for g in held]
+    base = READ_TID0 + (max(read_lanes) + 1 if read_lanes else 0)
+    h_lanes = lanes(spans_)
+    for g, lane, (t0, t1) in zip(held, h_lanes, spans_):
+        ev.append(_x(daemon_pid, base + lane, f"{g[0]['kind']} L{g[0]['layer']} ×{len(g)}", t0, t1,
+                     "daemon", {"kinds": sorted({record_kind(x) for x in g})}))
+    for lane in set(h_lanes):
+        ev.append(_meta(daemon_pid, base + lane, "thread_name", f"requests held (lane {lane})"))
+    return ev
+
+
+# ---- summary ------------------------------------------------------------------------
+
+
+def summarize(records, spans, tokens, copies, meta) -> dict:
+    hops = {h: percentiles(v) for h, v in hop_samples(records).items()}
+    by_kind = {}
+    for r in records:
+        if r.get("client_send") and r.get("copied"):
+            by_kind.setdefault(record_kind(r), []).append((r["copied"] - r["client_send"]) / 1e3)
+    per_layer = {}
+    for kind, layer, t0, t1, n in spans:
+        row = per_layer.setdefault(str(layer), {"compute_s": 0.0, "stall_s": 0.0, "copy_s": 0.0,
+                                                "calls": 0, "stalls": 0})
+        row[f"{kind}_s"] = row.get(f"{kind}_s", 0.0) + (t1 - t0) / 1e9
+        if kind == "compute":
+            row["calls"] += 1
+        elif kind == "stall":
+            row["stalls"] += 1
+    n_tokens = len(tokens)
+    copied = sum(c[2] for c in copies)
+    decode = sum(c[2] for c in copies if tokens and c[1] > tokens[0])
+    out = {
+        "records": len(records),
+        "hops_us": hops,
+        "request_to_mlx_us": {k: percentiles(v) for k, v in sorted(by_kind.items())},
+        "per_layer": dict(sorted(per_layer.items(), key=lambda kv: int(kv[0]))),
+        "stall_s": sum(r["stall_s"] for r in per_layer.values()),
+        "tokens": n_tokens,
+        "bytes_copied": copied,
+        "bytes_per_token": copied / n_tokens if n_tokens else None,
+        "decode_bytes_per_token": decode / (n_tokens - 1) if n_tokens > 1 else None,
+    }
+    if n_tokens > 1:
+        gaps = np.diff(np.asarray(tokens, dtype=np.float64)) / 1e6
+        out["token_ms"] = percentiles(gaps)
+    if meta.get("daemon_bytes_read") is not None and n_tokens:
+        out["daemon_bytes_read_per_token"] = meta["daemon_bytes_read"] / n_tokens
+    out["meta"] = meta
+    return out
+
+
+def _f(v, digits=1):
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def summary_markdown(s) -> str:
+    lines = ["# Expert request profile", "",
+             f"{s['records']} records received, {s['tokens']} tokens, "
+             f"stall {s['stall_s']:.3f} s in total.", "",
+             "## Latency per hop (µs)", "",
+             "| hop | n | p50 | p90 | p99 | max |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for hop, p in s["hops_us"].items():
+        lines.append(f"| {hop} | {p['n']} | {_f(p['p50'])} | {_f(p['p90'])} | {_f(p['p99'])} "
+                     f"| {_f(p['max'])} |")
+    lines += ["", "## Request → usable MLX array, by kind (µs)", "",
+              "| kind | n | p50 | p90 | p99 |", "| --- | ---: | ---: | ---: | ---: |"]
+    for kind, p in s["request_to_mlx_us"].items():
+        lines.append(f"| {kind} | {p['n']} | {_f(p['p50'])} | {_f(p['p90'])} | {_f(p['p99'])} |")
+    lines += ["", "## Per MoE layer (s)", "",
+              "| layer | calls | compute | stalls | stall | copy |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for layer, r in s["per_layer"].items():
+        lines.append(f"| {layer} | {r['calls']} | {r['compute_s']:.4f} | {r['stalls']} | "
+                     f"{r['stall_s']:.4f} | {r['copy_s']:.4f} |")
+    lines += ["", "## Bytes per token", "",
+              f"- copied into MLX: {s['bytes_copied']} bytes, "
+              f"{_f(s['bytes_per_token'], 0)} per token "
+              f"({_f(s['decode_bytes_per_token'], 0)} per decode token)"]
+    if s.get("daemon_bytes_read_per_token") is not None:
+        lines.append(f"- read from disk by the daemon: {_f(s['daemon_bytes_read_per_token'], 0)} "
+                     "per token (every session's reads count)")
+    if s.get("token_ms"):
+        t = s["token_ms"]
+        lines.append(f"- time between tokens: p50 {_f(t['p50'], 2)} ms, p99 {_f(t['p99'], 2)} ms")
+    return "\n".join(lines) + "\n"
+
+
+def plot_cdf(samples, path):
+    """One CDF line per hop, µs on a log axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
+    for hop, values in samples.items():
+        if not values:
+            continue
+        x = np.sort(np.maximum(np.asarray(values), 0.1))
+        y = np.arange(1, len(x) + 1) / len(x)
+        ax.step(x, y, where="post", label=f"{hop} (n={len(x)})")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (µs)")
+    ax.set_ylabel("fraction of records")
+    ax.set_title("Expert request latency per hop (CDF)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def attach(store, client) -> Profiler:
+    """Profile ``store``'s layers and ``client``'s requests from now on."""
+    client.profile = True
+    store.profiler = Profiler(client)
+    return store.profiler

@@ -1,0 +1,220 @@
+"""IPC latency profiling: trace-event validity, exact percentiles on known
+timings, lanes, and `infer run --profile DIR` end to end."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from infer.profile import HOPS, lanes, percentiles, summarize, trace_events
+from tests.iod_fixtures import short_dir
+
+PHASES = set("BEXIiCbnesftPOND(M)") - set("()")
+META_NAMES = {"process_name", "thread_name", "process_sort_index", "thread_sort_index",
+              "process_labels"}
+
+
+def validate_trace(obj) -> list:
+    """Problems found in a Chrome trace-event document (empty if valid).
+
+    Accepts the JSON array form and the object form {"traceEvents": [...]}.
+    Checks the keys every event needs (ph, ts, pid, tid, name), phase
+    letters, numeric non-negative timestamps and durations, metadata
+    events' names and args, and balanced B/E pairs per thread."""
+    if isinstance(obj, dict):
+        if not isinstance(obj.get("traceEvents"), list):
+            return ["object form without a traceEvents list"]
+        events = obj["traceEvents"]
+    elif isinstance(obj, list):
+        events = obj
+    else:
+        return ["neither an array nor an object"]
+    problems, depth = [], {}
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            problems.append(f"#{i}: not an object")
+            continue
+        for key in ("ph", "ts", "pid", "tid", "name"):
+            if key not in ev:
+                problems.append(f"#{i}: no {key}")
+        ph = ev.get("ph")
+        if ph not in PHASES:
+            problems.append(f"#{i}: unknown phase {ph!r}")
+        ts = ev.get("ts")
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool) or ts < 0:
+            problems.append(f"#{i}: bad ts {ts!r}")
+        for key in ("pid", "tid"):
+            if key in ev and not isinstance(ev[key], int):
+                problems.append(f"#{i}: {key} is not an integer")
+        if not isinstance(ev.get("name"), str):
+            problems.append(f"#{i}: name is not a string")
+        if ph == "X":
+            dur = ev.get("dur")
+            if not isinstance(dur, (int, float)) or dur < 0:
+                problems.append(f"#{i}: complete event with bad dur {dur!r}")
+        if ph == "M":
+            if ev.get("name") not in META_NAMES:
+                problems.append(f"#{i}: unknown metadata {ev.get('name')!r}")
+            elif ev["name"].endswith("_name") and not isinstance(ev.get("args", {}).get("name"), str):
+                problems.append(f"#{i}: metadata without args.name")
+        if ph in ("B", "E"):
+            key = (ev.get("pid"), ev.get("tid"))
+            depth[key] = depth.get(key, 0) + (1 if ph == "B" else -1)
+            if depth[key] < 0:
+                problems.append(f"#{i}: E without B on {key}")
+        if "args" in ev and not isinstance(ev["args"], dict):
+            problems.append(f"#{i}: args is not an object")
+    problems += [f"unclosed B on {k}" for k, d in depth.items() if d > 0]
+    return problems
+
+
+def test_validator_accepts_both_forms_and_rejects_bad_events():
+    good = [{"ph": "X", "ts": 1.5, "dur": 2, "pid": 1, "tid": 1, "name": "a"},
+            {"ph": "M", "ts": 0, "pid": 1, "tid": 0, "name": "process_name", "args": {"name": "p"}}]
+    assert validate_trace(good) == [] and validate_trace({"traceEvents": good}) == []
+    bad = [
+        {"ph": "X", "ts": 1, "dur": -1, "pid": 1, "tid": 1, "name": "neg"},
+        {"ph": "Q", "ts": 1, "pid": 1, "tid": 1, "name": "phase"},
+        {"ph": "X", "dur": 1, "pid": 1, "tid": 1, "name": "no ts"},
+        {"ph": "B", "ts": 1, "pid": 1, "tid": 2, "name": "open"},
+        {"ph": "M", "ts": 0, "pid": 1, "tid": 0, "name": "thread_name", "args": {}},
+        {"ph": "X", "ts": 1, "dur": 1, "pid": "1", "tid": 1, "name": "pid"},
+    ]
+    problems = validate_trace(bad)
+    for word in ("bad dur", "unknown phase", "no ts", "unclosed B", "args.name", "pid is not"):
+        assert any(word in p for p in problems), (word, problems)
+    assert validate_trace({"events": []}) and validate_trace("x")
+
+
+def test_percentiles_on_known_values():
+    p = percentiles(range(1, 101))
+    assert p["n"] == 100 and p["max"] == 100 and p["mean"] == 50.5
+    assert p["p50"] == pytest.approx(50.5) and p["p90"] == pytest.approx(90.1)
+    assert p["p99"] == pytest.approx(99.01)
+    one = percentiles([7.0])
+    assert one["p50"] == one["p90"] == one["p99"] == one["max"] == 7.0
+    assert percentiles([])["n"] == 0 and percentiles([])["p50"] is None
+
+
+def known_records():
+    """20 records (10 arena hits, 10 disk reads) with exactly known hops (ns)."""
+    recs = []
+    for i in range(20):
+        t = 1_000_000_000 + i * 10_000_000
+        hit = i < 10
+        r = {"kind": "acquire", "layer": i % 2, "expert": i, "size": 1000,
+             "client_send": t, "received": t + 1000 * (i + 1)}  # send→daemon = i+1 µs
+        if hit:
+            r.update(queued=0, read_start=0, read_end=0, sent=r["received"] + 5000)
+        else:
+            r["queued"] = r["received"] + 2000
+            r["read_start"] = r["queued"] + 3000
+            r["read_end"] = r["read_start"] + 100_000 * (i - 9)  # 100..1000 µs
+            r["sent"] = r["read_end"] + 4000
+        r["client_recv"] = r["sent"] + 6000
+        r["copied"] = r["client_recv"] + 7000
+        recs.append(r)
+    return recs
+
+
+def test_summary_hops_are_exact_on_known_timings():
+    recs = known_records()
+    spans = [("compute", 0, 0, 2_000_000, 0), ("stall", 0, 2_000_000, 5_000_000, 2),
+             ("copy", 0, 5_000_000, 6_000_000, 2000), ("compute", 1, 6_000_000, 7_000_000, 0),
+             ("stall", 1, 7_000_000, 7_500_000, 1)]
+    tokens = [10, 20, 30, 40]
+    copies = [(0, 5, 4000), (1, 25, 3000), (0, 35, 3000)]
+    s = summarize(recs, spans, tokens, copies, {"daemon_bytes_read": 8000})
+    h = s["hops_us"]
+    assert set(h) == set(HOPS)
+    send = percentiles(range(1, 21))
+    for q in ("p50", "p90", "p99", "max"):
+        assert h["send→daemon"][q] == pytest.approx(send[q])
+    assert h["disk read"]["n"] == 10
+    assert h["disk read"]["p50"] == pytest.approx(550.0) and h["disk read"]["max"] == 1000.0
+    assert h["disk read"]["p90"] == pytest.approx(910.0)
+    assert h["hit: received→sent"] == percentiles([5.0] * 10)
+    assert h["queue wait"]["p99"] == pytest.approx(3.0) and h["daemon→queued"]["p50"] == 2.0
+    assert h["daemon→client"]["n"] == 20 and h["daemon→client"]["p90"] == pytest.approx(6.0)
+    assert h["received→copied"]["p50"] == pytest.approx(7.0)
+    # request → MLX array: hits are 1..10 + 5 + 6 + 7 µs
+    hit = s["request_to_mlx_us"]["acquire_hit"]
+    assert hit["p50"] == pytest.approx(percentiles([i + 18 for i in range(1, 11)])["p50"])
+    assert s["request_to_mlx_us"]["acquire_miss"]["max"] == pytest.approx(20 + 2 + 3 + 1000 + 4 + 6 + 7)
+    layer0 = s["per_layer"]["0"]
+    assert layer0["compute_s"] == pytest.approx(0.002) and layer0["stall_s"] == pytest.approx(0.003)
+    assert layer0["copy_s"] == pytest.approx(0.001) and layer0["calls"] == 1
+    assert s["stall_s"] == pytest.approx(0.0035)
+    assert s["bytes_copied"] == 10000 and s["bytes_per_token"] == 2500
+    assert s["decode_bytes_per_token"] == pytest.approx(6000 / 3)
+    assert s["daemon_bytes_read_per_token"] == 2000
+    assert s["token_ms"]["p50"] == pytest.approx(1e-5)
+
+
+def test_lanes_never_overlap_and_use_the_peak_concurrency():
+    iv = [(0, 10), (5, 15), (10, 20), (12, 13), (30, 31), (14, 40)]
+    ln = lanes(iv)
+    for a in range(len(iv)):
+        for b in range(a + 1, len(iv)):
+            if ln[a] == ln[b]:
+                assert iv[a][1] <= iv[b][0] or iv[b][1] <= iv[a][0]
+    assert max(ln) + 1 == 3  # at t=12..13: (5,15), (10,20), (12,13)
+
+
+def test_trace_of_known_records_is_valid_with_a_track_per_process():
+    recs = known_records()
+    spans = [("compute", 0, 1_000_000_000, 1_002_000_000, 0)]
+    ev = trace_events(recs, spans, [1_000_000_000, 1_050_000_000], 111, 222)
+    assert validate_trace(ev) == []
+    names = {(e["pid"], e["args"]["name"]) for e in ev if e["ph"] == "M"}
+    assert (111, "main: layers") in names and (222, "disk reads (lane 0)") in names
+    reads = [e for e in ev if e.get("cat") == "disk"]
+    assert len(reads) == 10 and all(e["pid"] == 222 for e in reads)
+
+
+@pytest.fixture
+def run_dir(monkeypatch):
+    folder = short_dir("iodp-")
+    monkeypatch.setenv("IOD_RUN_DIR", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model, run_dir, tmp_path):
+    from shared.blob import Manifest
+    from tests.test_run import PROMPT, mlx_greedy_ids
+
+    prep = prep_model("qwen3_moe")
+    out = tmp_path / "prof"
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "run", "--model", str(prep),
+                        "--prompt", PROMPT, "--max-tokens", "24", "--json", "--profile", str(out)],
+                       capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["tokens"] == mlx_greedy_ids(synth_model("qwen3_moe"), 24)  # unchanged output
+
+    trace = json.loads((out / "trace.json").read_text())
+    assert validate_trace(trace) == []
+    ev = trace["traceEvents"]
+    pids = {e["pid"] for e in ev}
+    assert len(pids) == 2  # infer and iod
+    daemon_pid = result["stats"]["daemon_pid"]
+    assert daemon_pid in pids
+    cats = {e.get("cat") for e in ev if e["ph"] == "X"}
+    assert {"compute", "stall", "copy", "disk", "token", "request"} <= cats
+
+    s = json.loads((out / "summary.json").read_text())
+    for hop in ("send→daemon", "disk read", "daemon→client", "request→MLX array"):
+        assert s["hops_us"][hop]["n"] > 0
+        p = s["hops_us"][hop]
+        assert 0 <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"]
+    layers = {str(l.layer) for l in Manifest.load(prep).layers}
+    assert set(s["per_layer"]) == layers
+    assert s["tokens"] == 24 and s["bytes_per_token"] > 0
+    assert s["bytes_copied"] == result["stats"]["bytes_read"]
+    md = (out / "summary.md").read_text()
+    assert "| disk read |" in md and "Per MoE layer" in md and "Bytes per token" in md
+    assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
