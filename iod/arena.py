@@ -74,6 +74,10 @@ class Arena:
                 return  # not Linux >= 5.14: pages fault in on first use
 
     @property
+    def prefaulted(self) -> bool:
+        return self._prefaulter is not None and not self._prefaulter.is_alive()
+
+    @property
     def laid_out(self) -> bool:
         return self.slot_size > 0
 

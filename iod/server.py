@@ -744,7 +744,8 @@ class Daemon:
             "workers": self.cfg.workers,
             "read_rate_limit_MBps": self.cfg.read_rate / 1e6,
             "arena": {"name": a.name, "bytes": a.size, "slot_size": a.slot_size,
-                      "slot_count": a.slot_count, "slots": a.counts() if a.laid_out else {}},
+                      "slot_count": a.slot_count, "slots": a.counts() if a.laid_out else {},
+                      "prefaulted": a.prefaulted},
             "sessions": [
                 {"id": s.id, "pid": s.pid, "model": s.model.id, "pins": len(s.pins),
                  "queued": s.claims, "requests": s.requests, "hits": s.hits,

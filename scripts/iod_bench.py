@@ -183,6 +183,8 @@ def main(argv=None) -> int:
               "workers": args.workers, "runs": args.runs}
     try:
         c = IodClient(args.data, iod=str(sock), profile=True)
+        while not c.stats()["arena"]["prefaulted"]:  # let the arena's pages commit first
+            time.sleep(0.05)
         keys = records(m, 1)
         result["latency"] = latency(c, keys, args.lat_n)
         c.close()
