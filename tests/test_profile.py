@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -218,3 +219,20 @@ def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model
     md = (out / "summary.md").read_text()
     assert "| disk read |" in md and "Per MoE layer" in md and "Bytes per token" in md
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ipc_bench_json_schema(tmp_path):
+    out = tmp_path / "ipc.json"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "ipc_bench.py"
+    r = subprocess.run([sys.executable, str(script), "--sessions", "1,2", "--hits", "20",
+                        "--misses", "6", "--record-bytes", "65536", "--arena-mb", "4",
+                        "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert set(data["sessions"]) == {"1", "2"}
+    for n, row in data["sessions"].items():
+        for key in ("hit_p50_us", "hit_p99_us", "miss_p50_us", "miss_p99_us",
+                    "hit_mlx_p50_us", "hit_mlx_p99_us"):
+            assert isinstance(row[key], float) and row[key] > 0, (n, key, row)
+        assert row["hit_p50_us"] <= row["hit_p99_us"] and row["miss_p50_us"] <= row["miss_p99_us"]
+        assert row["hit_n"] + row["miss_n"] == int(n) * 26
