@@ -75,13 +75,14 @@ def _session(model, sock, index, n_sessions, hits, misses, barrier, out):
     def one(layer, layout, e):
         t0 = time.monotonic_ns()
         rec = c.fetch(layer, [e])[e]
+        t_view = time.monotonic_ns()
         arrays = record_to_arrays(layout, rec)
         mx.eval(list(arrays.values()))
         t1 = time.monotonic_ns()
         c.release(layer, [e])
         h = c.hop_log[-1]
         return ((h["client_recv"] - h["client_send"]) / 1e3, (t1 - t0) / 1e3,
-                bool(h["read_start"]), (h["sent"] - h["received"]) / 1e3)
+                bool(h["read_start"]), (h["sent"] - h["received"]) / 1e3, (t1 - t_view) / 1e3)
 
     samples = {"hit": [], "miss": []}
     for e in range(min(8, hot_l.num_experts)):  # warm up this process' paths
@@ -115,22 +116,27 @@ def measure(model, sock, n, hits, misses, ctx):
     ready = {"hit": [], "miss": []}
     mlx = {"hit": [], "miss": []}
     daemon = {"hit": [], "miss": []}
+    copy = {"hit": [], "miss": []}
     wrong = 0
     for _, s in results:
         for phase, rows in s.items():
-            for rtt, to_mlx, was_read, held in rows:
+            for rtt, to_mlx, was_read, held, copied in rows:
                 kind = "miss" if was_read else "hit"
                 wrong += kind != phase
                 ready[kind].append(rtt)
                 mlx[kind].append(to_mlx)
                 daemon[kind].append(held)
+                copy[kind].append(copied)
     row = {}
     for kind in ("hit", "miss"):
         row[f"{kind}_p50_us"] = _pct(ready[kind], 50)
         row[f"{kind}_p99_us"] = _pct(ready[kind], 99)
         row[f"{kind}_mlx_p50_us"] = _pct(mlx[kind], 50)
         row[f"{kind}_mlx_p99_us"] = _pct(mlx[kind], 99)
-        row[f"{kind}_daemon_p50_us"] = _pct(daemon[kind], 50)
+        row[f"{kind}_daemon_p50_us"] = _pct(daemon[kind], 50)  # received → sent in iod
+        row[f"{kind}_daemon_p99_us"] = _pct(daemon[kind], 99)
+        row[f"{kind}_copy_p50_us"] = _pct(copy[kind], 50)  # slot view → evaluated mx.array
+        row[f"{kind}_copy_p99_us"] = _pct(copy[kind], 99)
         row[f"{kind}_n"] = len(ready[kind])
     row["misclassified"] = wrong  # samples whose kind differed from the phase's intent
     return row
