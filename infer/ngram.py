@@ -10,6 +10,8 @@ draft.
 class NgramDrafter:
     """Drafts up to ``k`` tokens by matching the last ``max_n``..``min_n`` tokens."""
 
+    needs_hidden = False
+
     def __init__(self, max_n=3, min_n=1):
         self.max_n = max_n
         self.min_n = min_n
@@ -20,6 +22,10 @@ class NgramDrafter:
 
     def extend(self, tokens):
         self.tokens.extend(int(t) for t in tokens)
+
+    def observe(self, hidden, tokens):
+        """Newly committed tokens (the hidden states are not used)."""
+        self.extend(tokens)
 
     def _update(self):
         toks = self.tokens

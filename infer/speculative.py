@@ -115,6 +115,17 @@ class CacheCheckpoint:
         return exact
 
 
+_STREAM = None
+
+
+def shared_stream():
+    """One stream that the lockstep verify's threads share (they take turns)."""
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = mx.new_thread_unsafe_stream(mx.default_device())
+    return _STREAM
+
+
 def _greedy(logits):
     """Greedy ids of each row, computed per row exactly as mlx-lm's
     generate_step does for its one-token steps (logprobs, then argmax)."""
@@ -153,10 +164,10 @@ class Wavefront:
     computes with its own experts, as in one-token decoding.
     """
 
-    def __init__(self, forward, store=None):
+    def __init__(self, forward, store=None, stream=None):
         self.forward = forward
         self.store = store
-        self.stream = mx.new_thread_unsafe_stream(mx.cpu)
+        self.stream = stream or shared_stream()
 
     def run(self, tokens, cache):
         n = len(tokens)
@@ -354,12 +365,15 @@ def speculative_generate(
     ngram_max=3,
     auto_probe=6,
     auto_recheck=96,
+    drafter=None,
 ):
     """Greedy generation with drafting; yields ``(token id, SpecStats)``.
 
     ``draft``: "none" | "ngram" | "mtp" | "auto" (n-gram lookup, or MTP when
     ``mtp`` is given, switched off while it does not pay). ``mtp``: an
-    ``infer.mtp.MTPDrafter`` (required for "mtp"). ``store``: the model's
+    ``infer.mtp.MTPDrafter`` (required for "mtp"). ``drafter``: any object
+    with ``needs_hidden``, ``observe(hidden, tokens)`` and ``propose(k)``,
+    used instead of the built-in ones. ``store``: the model's
     ExpertStore; with ``exact`` the verify fetches the union of the batch's
     experts through it, and its stats give the bytes per token. The ids equal
     non-speculative greedy decoding; with ``exact=False`` up to floating-point
@@ -369,16 +383,18 @@ def speculative_generate(
         raise ValueError(f"unknown draft {draft!r} (choose from {', '.join(DRAFTS)})")
     if draft == "mtp" and mtp is None:
         raise ValueError("draft 'mtp' needs an MTP head")
-    use_mtp = mtp is not None and draft in ("mtp", "auto")
-    drafter = mtp if use_mtp else NgramDrafter(max_n=ngram_max)
+    if drafter is None:
+        use_mtp = mtp is not None and draft in ("mtp", "auto")
+        drafter = mtp if use_mtp else NgramDrafter(max_n=ngram_max)
+    use_mtp = drafter.needs_hidden
     k_max = 0 if draft == "none" else max(0, int(num_draft))
     policy = AutoPolicy(auto_probe, auto_recheck) if draft == "auto" else None
-    stats = SpecStats(draft=draft if not (draft == "auto") else
-                      f"auto:{'mtp' if use_mtp else 'ngram'}", k=k_max, exact=exact)
+    kind = f"auto:{'mtp' if use_mtp else 'ngram'}" if draft == "auto" else draft
+    stats = SpecStats(draft=kind, k=k_max, exact=exact)
     eos = {int(e) for e in eos_ids}
-    stream = mx.new_thread_unsafe_stream(mx.cpu)
+    stream = shared_stream()
     forward = _Forward(model, want_hidden=use_mtp)
-    wave = Wavefront(forward, store) if exact else None
+    wave = Wavefront(forward, store, stream) if exact else None
     cache = make_cache(model)
     refeed_ok = all(isinstance(c, ArraysCache) or c.is_trimmable() for c in cache)
     if not refeed_ok:
@@ -408,13 +424,11 @@ def speculative_generate(
             hiddens.append(h)
     stats.prefill_s = time.perf_counter() - tic
     stats.committed = 1
-    if use_mtp:
-        with mx.stream(stream):
+    with mx.stream(stream):
+        if use_mtp:
             drafter.observe(mx.concatenate(hiddens, axis=1), prompt[1:] + [y])
-    else:
-        drafter.extend(prompt + [y])
-    tic = time.perf_counter()
-    stats.decode_s = 0.0
+        else:
+            drafter.observe(None, prompt + [y])
     stats.store_end = _store_stats(store)
     yield y, stats
     if y in eos or max_tokens <= 1:
@@ -431,7 +445,13 @@ def speculative_generate(
             td = time.perf_counter()
             drafts = [int(t) for t in drafter.propose(k)] if k > 0 else []
             stats.draft_s += time.perf_counter() - td
-            inputs = pre + [y] + drafts
+            if pre:
+                # batched rollback of a recurrent state: advance over the
+                # accepted tokens again before checkpointing
+                forward(mx.array(pre)[None], cache)
+                stats.fed += len(pre)
+                pre = []
+            inputs = [y] + drafts
             ckpt = CacheCheckpoint(cache) if drafts else None
             if drafts and exact:
                 rows = wave.run(inputs, cache)
@@ -439,20 +459,18 @@ def speculative_generate(
                 hidden = mx.concatenate([r[1] for r in rows], axis=1) if use_mtp else None
             else:
                 logits, hidden = forward(mx.array(inputs)[None], cache)
-            skip = len(pre)
-            targets = _greedy(logits[:, skip:, :])
+            targets = _greedy(logits)
             mx.eval(targets)
             targets = [int(t.item()) for t in targets]
             a = 0
             while a < len(drafts) and drafts[a] == targets[a]:
                 a += 1
             new = drafts[:a] + [targets[a]]
-            fed_valid = skip + 1 + a
-            pre = []
+            fed_valid = 1 + a
             if ckpt is not None:
-                ckpt.stop()
                 if a < len(drafts) and not ckpt.rollback(fed_valid):
                     pre = inputs[:fed_valid]
+                ckpt.stop()
             mx.eval([c.state for c in cache])
         stats.passes += 1
         stats.fed += len(inputs)
@@ -467,11 +485,9 @@ def speculative_generate(
             if t in eos or committed + i + 1 >= max_tokens:
                 new, stop = new[: i + 1], True
                 break
-        if use_mtp and not stop:
+        if not stop:
             with mx.stream(stream):
-                drafter.observe(hidden[:, skip : skip + len(new), :], new)
-        elif not use_mtp:
-            drafter.extend(new)
+                drafter.observe(hidden[:, : len(new), :] if use_mtp else None, new)
         committed += len(new)
         stats.committed = committed
         y = new[-1]
