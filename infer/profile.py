@@ -129,7 +129,7 @@ class Profiler:
         summary = summarize(self.records, self.spans, self.tokens, self.copies, meta)
         (folder / "summary.json").write_text(json.dumps(summary, indent=1))
         (folder / "summary.md").write_text(summary_markdown(summary))
-        plot_cdf(hop_samples(self.records), folder / "latency.png")
+        plot_cdf(hop_samples(self.records), folder / "latency.png", kind_samples(self.records))
         return summary
 
 
@@ -244,12 +244,18 @@ def trace_events(records, spans, tokens, pid, daemon_pid) -> list:
 # ---- summary ------------------------------------------------------------------------
 
 
-def summarize(records, spans, tokens, copies, meta) -> dict:
-    hops = {h: percentiles(v) for h, v in hop_samples(records).items()}
+def kind_samples(records) -> dict:
+    """record kind -> request→MLX array durations in µs."""
     by_kind = {}
     for r in records:
         if r.get("client_send") and r.get("copied"):
             by_kind.setdefault(record_kind(r), []).append((r["copied"] - r["client_send"]) / 1e3)
+    return dict(sorted(by_kind.items()))
+
+
+def summarize(records, spans, tokens, copies, meta) -> dict:
+    hops = {h: percentiles(v) for h, v in hop_samples(records).items()}
+    by_kind = kind_samples(records)
     per_layer = {}
     for kind, layer, t0, t1, n in spans:
         row = per_layer.setdefault(str(layer), {"compute_s": 0.0, "stall_s": 0.0, "copy_s": 0.0,
@@ -318,26 +324,31 @@ def summary_markdown(s) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_cdf(samples, path):
-    """One CDF line per hop, µs on a log axis."""
+def plot_cdf(samples, path, by_kind=None):
+    """One CDF line per hop (left) and per record kind, request → MLX array
+    (right); µs on log axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5), dpi=110)
-    for hop, values in samples.items():
-        if not values:
-            continue
-        x = np.sort(np.maximum(np.asarray(values), 0.1))
-        y = np.arange(1, len(x) + 1) / len(x)
-        ax.step(x, y, where="post", label=f"{hop} (n={len(x)})")
-    ax.set_xscale("log")
-    ax.set_xlabel("latency (µs)")
-    ax.set_ylabel("fraction of records")
-    ax.set_title("Expert request latency per hop (CDF)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), dpi=100)
+    panels = ((axes[0], samples, "Expert request latency per hop"),
+              (axes[1], by_kind or {}, "Request → usable MLX array, by kind"))
+    for ax, series, title in panels:
+        for name, values in series.items():
+            if not values:
+                continue
+            x = np.sort(np.maximum(np.asarray(values), 0.1))
+            y = np.arange(1, len(x) + 1) / len(x)
+            ax.step(x, y, where="post", label=f"{name} (n={len(x)})")
+        ax.set_xscale("log")
+        ax.set_xlabel("latency (µs)")
+        ax.set_ylabel("fraction of records")
+        ax.set_title(f"{title} (CDF)")
+        ax.grid(True, which="both", alpha=0.3)
+        if any(series.values()):
+            ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
