@@ -476,8 +476,9 @@ def table(report) -> str:
     rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "hit", "misses",
              "belady", "MB/tok", "recall", "prec", "rss infer", "rss iod")]
     for name, m in report["modes"].items():
-        if "skipped" in m:
-            rows.append((name, "skipped: " + m["skipped"]) + ("",) * 11)
+        if "skipped" in m or "error" in m:
+            why = ("skipped: " + m["skipped"]) if "skipped" in m else "failed"
+            rows.append((name, why) + ("",) * 11)
             continue
         rows.append((
             name, _fmt(m["decode_tok_s"], ".2f"),
@@ -521,11 +522,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         for mode in modes:
             print(f"infer bench: {mode} ...", file=sys.stderr, flush=True)
+            t0 = time.monotonic()
             try:
                 report["modes"][mode] = run_mode(args, mode, tmp)
             except RuntimeError as e:
                 print(f"infer bench: {e}", file=sys.stderr)
-                return 1
+                report["modes"][mode] = {"mode": mode, "error": str(e)[-2000:]}
+            report["modes"][mode]["wall_s"] = time.monotonic() - t0
+        failed = [m for m, r in report["modes"].items() if "error" in r]
         ran = {m: r["tokens"] for m, r in report["modes"].items() if "tokens" in r}
         report["tokens_equal"] = len({tuple(t) for t in ran.values()}) <= 1
         if args.sessions > 0:
@@ -551,7 +555,7 @@ def main(argv=None) -> int:
     if not report["tokens_equal"]:
         print("infer bench: the modes generated different tokens", file=sys.stderr)
         return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

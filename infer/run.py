@@ -13,6 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 from shared.units import format_size, parse_size
 
 from .loader import PrepFolderError, check_prep_folder, load_streaming
+from .speculative import DRAFTS, DraftedStream, check_draft
 
 
 def build_parser():
@@ -28,6 +29,9 @@ def build_parser():
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--draft", default="none", choices=DRAFTS,
+                   help="speculative decoding (greedy): n-gram lookup, the MTP head, or auto")
+    p.add_argument("--num-draft", type=int, default=4, help="tokens drafted per verify pass")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="write trace.json, latency.png and summary.{json,md} of the expert requests")
     return p
@@ -82,11 +86,11 @@ def summary_line(s):
     )
 
 
-def cache_bytes_for(budget, model_dir, manifest):
+def cache_bytes_for(budget, model_dir, manifest, private_daemon=True):
     """Expert cache size that keeps the session within ``budget``."""
     from .budget import plan_memory
 
-    return plan_memory(budget, model_dir, manifest).cache_bytes
+    return plan_memory(budget, model_dir, manifest, private_daemon).cache_bytes
 
 
 def main(argv=None) -> int:
@@ -95,14 +99,22 @@ def main(argv=None) -> int:
 
     try:
         manifest = check_prep_folder(args.model)
-        cache_bytes = None
+        check_draft(args.draft, args.model, args.temp)
+        cache_bytes, client_kw = None, {}
         if args.mem_budget is not None:
-            cache_bytes = cache_bytes_for(parse_size(args.mem_budget), args.model, manifest)
+            from .budget import plan_memory, shared_daemon_running
+
+            # a private daemon and its staging arena are part of the budget
+            private = args.iod == "auto" and not shared_daemon_running()
+            plan = plan_memory(parse_size(args.mem_budget), args.model, manifest, private)
+            cache_bytes = plan.cache_bytes
+            if private:
+                client_kw["arena"] = plan.arena_bytes
     except (PrepFolderError, ValueError) as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
     try:
-        source = IodClient(args.model, iod=args.iod)
+        source = IodClient(args.model, iod=args.iod, **client_kw)
     except IodError as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
@@ -122,9 +134,14 @@ def main(argv=None) -> int:
         disk_before = daemon_bytes_read(source)
         tokens, text = [], ""
         response = None
-        for response in stream_generate(
-            model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
-        ):
+        if args.draft == "none":
+            responses = stream_generate(
+                model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
+            )
+        else:
+            responses = DraftedStream(model, tokenizer, ids, args.model, store, args.draft,
+                                      args.num_draft, args.max_tokens, manifest)
+        for response in responses:
             tokens.append(response.token)
             if profiler:
                 profiler.token()
@@ -140,6 +157,8 @@ def main(argv=None) -> int:
             len(ids),
             len(tokens),
         )
+        if args.draft != "none" and responses.stats is not None:
+            stats["draft"] = responses.stats.summary()
         # shared by every session of the daemon: the others' reads count too
         stats["daemon_bytes_read"] = daemon_bytes_read(source) - disk_before
         stats["daemon_pid"] = getattr(source, "daemon_pid", 0)

@@ -142,6 +142,10 @@ class ExpertStore:
         for layer, d, ids in guesses:
             wanted = set(np.unique(np.array(ids)).tolist())
             self._predicted.setdefault(layer, {})[d] = wanted
+            if len(wanted) > 2 * self.routers[layer][1]:
+                # a prefill-sized call: its next layers need most experts
+                # anyway, and pinning them all ahead would crowd out demand
+                continue
             stack = self.stack(layer)
             missing = [e for e in sorted(wanted) if e not in stack]
             if missing:
