@@ -172,15 +172,16 @@ class Wavefront:
     def run(self, tokens, cache):
         n = len(tokens)
         self._n = n
-        self._slot = 0
         self._error = None
         self._wanted = [None] * n
-        self._fetched = {}
-        self._cv = threading.Condition()
+        self._fetched = None
+        # one event per token: a handoff wakes only the next thread
+        self._turn = [threading.Event() for _ in range(n)]
+        self._turn[0].set()
         self._local = threading.local()
         results = [None] * n
         if self.store is not None:
-            self.store.experts = self._hook
+            self.store.gather = self._hook
         try:
             threads = [
                 threading.Thread(target=self._work, args=(j, tokens[j], cache, results))
@@ -192,21 +193,19 @@ class Wavefront:
                 t.join()
         finally:
             if self.store is not None:
-                del self.store.experts
+                del self.store.gather
         if self._error is not None:
             raise self._error
         return results
 
     def _wait(self, j):
-        with self._cv:
-            self._cv.wait_for(lambda: self._slot == j or self._error is not None)
-            if self._error is not None:
-                raise _Aborted()
+        self._turn[j].wait()
+        self._turn[j].clear()
+        if self._error is not None:
+            raise _Aborted()
 
     def _pass(self, j):
-        with self._cv:
-            self._slot = (j + 1) % self._n
-            self._cv.notify_all()
+        self._turn[(j + 1) % self._n].set()
 
     def _work(self, j, token, cache, results):
         self._local.j = j
@@ -219,12 +218,13 @@ class Wavefront:
         except _Aborted:
             pass
         except BaseException as e:  # noqa: BLE001 - handed to the caller
-            with self._cv:
-                if self._error is None:
-                    self._error = e
-                self._cv.notify_all()
+            if self._error is None:
+                self._error = e
+            for ev in self._turn:
+                ev.set()
 
     def _hook(self, layer, wanted):
+        # stands in for ExpertStore.gather during the run
         j = self._local.j
         self._wanted[j] = (layer, [int(e) for e in wanted])
         if j == self._n - 1:
@@ -232,11 +232,12 @@ class Wavefront:
             if len(layers) != 1:
                 raise RuntimeError(f"wavefront out of step: layers {sorted(layers)}")
             union = sorted(set().union(*(w[1] for w in self._wanted)))
-            arrays = type(self.store).experts(self.store, layer, np.array(union))
-            self._fetched = dict(zip(union, arrays))
+            arrays, positions = type(self.store).gather(self.store, layer, np.array(union))
+            self._fetched = (arrays, dict(zip(union, positions)))
         self._pass(j)
         self._wait(j)
-        return [self._fetched[e] for e in self._wanted[j][1]]
+        arrays, positions = self._fetched
+        return arrays, [positions[e] for e in self._wanted[j][1]]
 
 
 class _Aborted(Exception):
@@ -500,3 +501,83 @@ def speculative_generate(
             yield t, stats
         if stop:
             return
+
+
+def check_draft(draft, model_dir, temp=0.0):
+    """Why ``--draft`` cannot be used with this model and temperature, as a
+    ValueError with one line; nothing when it can."""
+    from .mtp import MTP_FILE, has_mtp
+
+    if draft not in DRAFTS:
+        raise ValueError(f"--draft must be one of {', '.join(DRAFTS)}")
+    if draft == "none":
+        return
+    if temp != 0:
+        raise ValueError("--draft verifies greedy choices: use it with --temp 0")
+    if draft == "mtp" and not has_mtp(model_dir):
+        raise ValueError(
+            f"--draft mtp: {model_dir} has no MTP head (a qwen3_next model with {MTP_FILE}); "
+            "use --draft ngram"
+        )
+
+
+class DraftedStream:
+    """``mlx_lm.stream_generate``'s responses, from speculative decoding.
+
+    Iterate for ``GenerationResponse`` objects (the eos token, if reached,
+    comes last with ``finish_reason == "stop"``, as in mlx-lm); ``stats`` is
+    the ``SpecStats`` of the run.
+    """
+
+    def __init__(self, model, tokenizer, prompt_ids, model_dir, store, draft="ngram",
+                 num_draft=4, max_tokens=256, manifest=None, exact=True):
+        from .mtp import MTPDrafter, has_mtp, load_mtp
+
+        self.model, self.tokenizer = model, tokenizer
+        self.prompt = list(prompt_ids)
+        self.max_tokens = max_tokens
+        mtp = None
+        if draft in ("mtp", "auto") and has_mtp(model_dir):
+            head = load_mtp(model_dir, model, store, manifest)
+            mtp = MTPDrafter(head, model)
+        self.kwargs = dict(draft=draft, num_draft=num_draft, mtp=mtp, exact=exact,
+                           store=store, eos_ids=tokenizer.eos_token_ids)
+        self.stats = None
+
+    def __iter__(self):
+        from mlx_lm.generate import GenerationResponse
+
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        eos = set(self.tokenizer.eos_token_ids)
+        n_prompt = len(self.prompt)
+        tic = time.perf_counter()
+        token = None
+        prompt_tps = 0.0
+        for n, (token, self.stats) in enumerate(speculative_generate(
+            self.model, self.prompt, max_tokens=self.max_tokens, **self.kwargs
+        )):
+            if n == 0:
+                prompt_tps = n_prompt / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in eos:
+                break
+            detok.add_token(token)
+            if n + 1 == self.max_tokens:
+                break
+            yield GenerationResponse(
+                text=detok.last_segment, token=token, logprobs=None, from_draft=False,
+                prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
+                generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
+            )
+        if token is None:
+            return
+        detok.finalize()
+        yield GenerationResponse(
+            text=detok.last_segment, token=token, logprobs=None, from_draft=False,
+            prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason="stop" if token in eos else "length",
+        )
