@@ -61,7 +61,7 @@ def build(folder: Path, record_bytes: int, hot: int, cold: int) -> Manifest:
     return m
 
 
-def _session(model, sock, index, n_sessions, hits, misses, barrier, out):
+def _session(model, sock, index, n_sessions, hits, misses, run, barrier, out):
     """One session process: hit phase, then read phase; puts its samples on ``out``."""
     import mlx.core as mx
 
@@ -85,7 +85,7 @@ def _session(model, sock, index, n_sessions, hits, misses, barrier, out):
                 bool(h["read_start"]), (h["sent"] - h["received"]) / 1e3, (t1 - t_view) / 1e3)
 
     samples = {"hit": [], "miss": []}
-    for e in range(min(8, hot_l.num_experts)):  # warm up this process' paths
+    for e in range(hot_l.num_experts):  # warm up; reads back a hot set a previous run evicted
         one(0, hot_l, e)
     c.hop_log.clear()
     barrier.wait()
@@ -94,7 +94,8 @@ def _session(model, sock, index, n_sessions, hits, misses, barrier, out):
     barrier.wait()
     mine = list(range(index, cold_l.num_experts, n_sessions))
     for i in range(misses):
-        samples["miss"].append(one(1, cold_l, mine[i % len(mine)]))
+        # later runs go on through the cold set: what earlier runs read may still be cached
+        samples["miss"].append(one(1, cold_l, mine[(run * misses + i) % len(mine)]))
     c.close()
     out.put((index, samples))
 
@@ -103,10 +104,10 @@ def _pct(values, q):
     return round(float(np.percentile(values, q)), 1) if values else None
 
 
-def measure(model, sock, n, hits, misses, ctx):
+def measure(model, sock, n, hits, misses, ctx, run=0):
     barrier = ctx.Barrier(n)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_session, args=(str(model), str(sock), i, n, hits, misses, barrier, out))
+    procs = [ctx.Process(target=_session, args=(str(model), str(sock), i, n, hits, misses, run, barrier, out))
              for i in range(n)]
     for p in procs:
         p.start()
@@ -182,8 +183,8 @@ def main(argv=None) -> int:
                 st = c.stats()
                 result["read_mode"] = st["models"][0]["read_mode"]
             for n in [int(x) for x in args.sessions.split(",")]:
-                runs = [measure(work / "model", sock, n, args.hits, args.misses, ctx)
-                        for _ in range(args.runs)]
+                runs = [measure(work / "model", sock, n, args.hits, args.misses, ctx, run)
+                        for run in range(args.runs)]
                 row = {}
                 for key in runs[0]:
                     vals = [r[key] for r in runs if r[key] is not None]
