@@ -305,9 +305,10 @@ class IodClient:
         return self.socket.exists()
 
     def _drain(self):
-        while True:
+        sock = self._sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching Again
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
