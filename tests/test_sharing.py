@@ -64,6 +64,12 @@ def test_second_client_is_served_from_the_arena(daemon, prep_model):
         by_id = {s["id"]: s for s in st["sessions"]}
         assert by_id[a.session_id]["misses"] == 8 and by_id[b.session_id]["hits"] == 8
         assert by_id[b.session_id]["bytes"] == by_id[a.session_id]["bytes"] > 0
+        # and `iod status` prints a line per session with its figures
+        text = subprocess.run([sys.executable, "-m", "iod.cli", "status"], capture_output=True,
+                              text=True, env=dict(os.environ), timeout=30).stdout
+        lines = [l for l in text.splitlines() if l.strip().startswith(("#1 pid", "#2 pid"))]
+        assert len(lines) == 2 and all("hits" in l and "misses" in l for l in lines), text
+        assert "latency (us)" in text
         a.release(0, range(8))
         b.release(0, range(8))
     finally:
