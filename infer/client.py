@@ -191,6 +191,7 @@ class IodClient:
             from iod.runtime import ensure_run_dir
 
             ensure_run_dir(base)
+            _sweep_private_dirs(base)
             folder = Path(tempfile.mkdtemp(prefix="p", dir=base))
         except OSError:
             folder = Path(tempfile.mkdtemp(prefix="iod-"))
@@ -524,6 +525,21 @@ class IodClient:
     @property
     def pinned(self) -> int:
         return len(self._held)
+
+
+def _sweep_private_dirs(base: Path, min_age_s: float = 60.0) -> None:
+    """Remove private run dirs whose daemon is gone (a SIGKILLed client and
+    daemon leave one behind); young ones may belong to a daemon starting now."""
+    from iod.runtime import lock_holder
+
+    now = time.time()
+    for d in base.glob("p*"):
+        try:
+            if d.is_dir() and now - d.stat().st_mtime > min_age_s and \
+                    not lock_holder(paths.lock_path(d)):
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _lock_pid(sock: Path) -> int:

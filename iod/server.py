@@ -197,8 +197,9 @@ class Daemon:
         self.ctx = zmq.Context(1)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES * 2)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        # bounded per peer: a session that stops reading loses messages, not our memory
+        self.sock.setsockopt(zmq.SNDHWM, 20_000)
+        self.sock.setsockopt(zmq.RCVHWM, 20_000)
         self.sock.setsockopt(zmq.LINGER, 500)
         old = os.umask(0o077)
         try:

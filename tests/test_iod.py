@@ -250,3 +250,20 @@ def test_killed_client_releases_pins_others_unaffected(daemon, model):
     assert st["sessions"][0]["pins"] == 2 and st["arena"]["slots"]["ready_pinned"] == 2
     a = other.rt(P.Acquire(other.req(), h.model_id, 1, [3], True))
     assert isinstance(a, P.AcquireOk)
+
+
+def test_stop_lets_reads_in_flight_finish(model):
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "1"])
+    r = Raw(d.socket)
+    h = r.hello(model)
+    r.send(P.Acquire(5, h.model_id, 2, [3], True))  # ~0.3 s at 1 MB/s
+    probe = Raw(d.socket)
+    wait_for(lambda: probe.rt(P.Stats(probe.req())).stats["inflight_reads"] == 1,
+             what="read started")
+    probe.close()
+    d.proc.terminate()
+    first, second = r.recv(), r.recv()
+    assert isinstance(first, P.AcquireOk) and first.req_id == 5
+    assert isinstance(second, P.Shutdown)
+    assert d.proc.wait(10) == 0
+    assert not shm_entries(d.pid) and not d.socket.exists()
