@@ -62,9 +62,11 @@ class Faults:
     comma-separated ``KIND:LAYER:EXPERT:COUNT`` with KIND one of ``eio``
     (the read fails with EIO), ``short`` (the read returns half the bytes)
     and ``corrupt`` (one byte of the slot is flipped after the read).
-    Each rule fires COUNT times for that record, then the record reads fine."""
+    Each rule fires COUNT times for that record, then the record reads fine.
+    ``handler:MSGKIND:0:COUNT`` makes the daemon's handler of that request
+    kind raise (a stand-in for a bug: the reply must be INTERNAL)."""
 
-    KINDS = ("eio", "short", "corrupt")
+    KINDS = ("eio", "short", "corrupt", "handler")
 
     def __init__(self, spec: str = ""):
         self.rules = {}

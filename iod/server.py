@@ -268,7 +268,7 @@ class Daemon:
 
     def _handle(self, frames, received):
         ident, body = frames[0], frames[1:]
-        req_id = _guess_req_id(body)
+        req_id = None  # known once decoded; guessed from the raw body for errors
         try:
             try:
                 msg = codec.decode(body)
@@ -283,10 +283,14 @@ class Daemon:
             if handler is None:
                 raise Failure(E.UNKNOWN_KIND, f"{P.MsgKind(kind).name} is not a request")
             req_id = msg.req_id
+            if self.pool.faults.rules and self.pool.faults.take("handler", int(kind), 0):
+                raise RuntimeError("injected handler fault (IOD_FAULTS, test only)")
             handler(ident, msg, received)
         except Failure as f:
             if f.code in (E.BAD_MESSAGE, E.UNKNOWN_KIND, E.TOO_LARGE):
                 self.c["bad_messages"] += 1
+            if req_id is None:
+                req_id = _guess_req_id(body)
             self._send(ident, P.Error(req_id, int(f.code), str(f), f.layer, f.expert))
         except Exception as e:  # a handler bug: answer, log, live on
             self.c["internal_errors"] += 1
@@ -294,6 +298,8 @@ class Daemon:
             import traceback
 
             traceback.print_exc(file=sys.stderr)
+            if req_id is None:
+                req_id = _guess_req_id(body)
             self._send(ident, P.Error(req_id, int(E.INTERNAL), f"internal error: {type(e).__name__}", -1, -1))
 
     def _send(self, ident, msg):

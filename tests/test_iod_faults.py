@@ -108,3 +108,17 @@ def test_client_error_names_layer_and_expert(model):
             assert bytes(v[7]) == record_bytes(model, Manifest.load(model).layer(2), 7)
     finally:
         d.stop()
+
+
+def test_handler_bug_answers_internal_and_daemon_lives(model):
+    d = LiveDaemon(args=["--arena", "16M"], env={"IOD_FAULTS": "handler:3:0:1"})
+    try:
+        r = Raw(d.socket)
+        h = r.hello(model)
+        err = r.rt(P.Acquire(r.req(), h.model_id, 0, [1], True))
+        assert err.code == E.INTERNAL
+        assert isinstance(r.rt(P.Acquire(r.req(), h.model_id, 0, [1], True)), P.AcquireOk)
+        assert r.rt(P.Stats(r.req())).stats["counters"]["internal_errors"] == 1
+        assert "injected handler fault" in d.logtext()
+    finally:
+        assert d.stop() == 0
