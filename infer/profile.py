@@ -225,6 +225,20 @@ def trace_events(records, spans, tokens, pid, daemon_pid) -> list:
                               if r.get("queued") else None}))
     for lane in set(read_lanes):
         ev.append(_meta(daemon_pid, READ_TID0 + lane, "thread_name", f"disk reads (lane {lane})"))
+    # flow arrows: each request that waited on a read -> that read
+    read_lane = {(r["layer"], r["expert"], r["read_start"]): l for r, l in zip(reads, read_lanes)}
+    flow = 0
+    for g, lane in zip(reqs, req_lanes):
+        for x in g:
+            target = read_lane.get((x["layer"], x["expert"], x.get("read_start")))
+            if target is None:
+                continue
+            flow += 1
+            common = {"name": "read", "cat": "flow", "id": flow}
+            ev.append({"ph": "s", "pid": pid, "tid": REQ_TID0 + lane,
+                       "ts": x["client_send"] / 1e3, **common})
+            ev.append({"ph": "f", "bp": "e", "pid": daemon_pid, "tid": READ_TID0 + target,
+                       "ts": x["read_start"] / 1e3, **common})
     held = {}
     for r in records:
         if r.get("received") and r.get("sent"):

@@ -33,7 +33,7 @@ def validate_trace(obj) -> list:
         events = obj
     else:
         return ["neither an array nor an object"]
-    problems, depth = [], {}
+    problems, depth, flows = [], {}, {}
     for i, ev in enumerate(events):
         if not isinstance(ev, dict):
             problems.append(f"#{i}: not an object")
@@ -68,7 +68,13 @@ def validate_trace(obj) -> list:
                 problems.append(f"#{i}: E without B on {key}")
         if "args" in ev and not isinstance(ev["args"], dict):
             problems.append(f"#{i}: args is not an object")
+        if ph in ("s", "t", "f"):
+            if "id" not in ev:
+                problems.append(f"#{i}: flow event without id")
+            else:
+                flows.setdefault(ev["id"], set()).add(ph)
     problems += [f"unclosed B on {k}" for k, d in depth.items() if d > 0]
+    problems += [f"flow {k} ends without a start" for k, p in flows.items() if "f" in p and "s" not in p]
     return problems
 
 
@@ -83,9 +89,11 @@ def test_validator_accepts_both_forms_and_rejects_bad_events():
         {"ph": "B", "ts": 1, "pid": 1, "tid": 2, "name": "open"},
         {"ph": "M", "ts": 0, "pid": 1, "tid": 0, "name": "thread_name", "args": {}},
         {"ph": "X", "ts": 1, "dur": 1, "pid": "1", "tid": 1, "name": "pid"},
+        {"ph": "f", "ts": 1, "pid": 1, "tid": 1, "name": "flow", "id": 9, "bp": "e"},
     ]
     problems = validate_trace(bad)
-    for word in ("bad dur", "unknown phase", "no ts", "unclosed B", "args.name", "pid is not"):
+    for word in ("bad dur", "unknown phase", "no ts", "unclosed B", "args.name", "pid is not",
+                 "without a start"):
         assert any(word in p for p in problems), (word, problems)
     assert validate_trace({"events": []}) and validate_trace("x")
 
@@ -174,6 +182,9 @@ def test_trace_of_known_records_is_valid_with_a_track_per_process():
     assert (111, "main: layers") in names and (222, "disk reads (lane 0)") in names
     reads = [e for e in ev if e.get("cat") == "disk"]
     assert len(reads) == 10 and all(e["pid"] == 222 for e in reads)
+    # an arrow from each request that waited on a read to that read
+    ends = [e for e in ev if e["ph"] == "f"]
+    assert len(ends) == 10 and {e["pid"] for e in ends} == {222}
 
 
 @pytest.fixture
