@@ -22,7 +22,9 @@ FAULTS = "eio:0:3:1,short:2:5:1,corrupt:1:2:1,corrupt:1:4:2,eio:0:9:1"
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = LiveDaemon(args=["--arena", "16M", "--workers", "2"], env={"IOD_FAULTS": FAULTS})
+    # slow reads (2 MB/s): a second asker attaches while the failing read is under way
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "2", "--read-rate", "2"],
+                   env={"IOD_FAULTS": FAULTS})
     yield d
     assert d.stop() == 0
     assert not shm_entries(d.pid)
