@@ -217,8 +217,8 @@ def test_coalescing_one_read_for_two_sessions(model):
     try:
         a, b = Raw(d.socket), Raw(d.socket)
         ha, hb = a.hello(model), b.hello(model)
-        a.send(P.Acquire(7, ha.model_id, 1, [9], True))
-        b.send(P.Acquire(8, hb.model_id, 1, [9], True))
+        a.send(P.Acquire(7, ha.model_id, 2, [9], True))  # ~150 ms at 2 MB/s
+        b.send(P.Acquire(8, hb.model_id, 2, [9], True))
         ra, rb = a.until(7), b.until(8)
         assert ra.slots[0][1:3] == rb.slots[0][1:3]  # the same slot and generation
         c = a.rt(P.Stats(a.req())).stats["counters"]
