@@ -21,6 +21,7 @@ is as many lanes as reads were under way at once, not thread identities.
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -80,9 +81,9 @@ def hop_samples(records) -> dict:
 class Profiler:
     """Collects a session's spans and its client's hop stamps.
 
-    Attach with ``store.profiler = Profiler(client)``; the streaming modules
-    then call ``span`` and ``copied``. ``client.profile`` must be true so the
-    client keeps its ``hop_log``.
+    ``attach(store, client)`` makes one and turns the client's hop log on; the
+    streaming modules then call ``span`` and ``copied``, the generation loop
+    ``token``, and ``write`` produces the files.
     """
 
     def __init__(self, client=None):
@@ -97,8 +98,6 @@ class Profiler:
         self.spans.append((kind, layer, t0, t1, n))
 
     def token(self, t=None):
-        import time
-
         self.tokens.append(t or time.monotonic_ns())
 
     def copied(self, layer, experts, t, nbytes=0):
