@@ -75,7 +75,8 @@ class IodClient:
         self.hop_log = []
         self.counters = dict.fromkeys(
             ("acquired", "ready_used", "demand_requests", "prefetch_requests", "prefetched",
-             "released", "stale", "prefetch_failed", "errors", "bytes_copied", "stall_ns"), 0)
+             "released", "stale", "shed", "prefetch_failed", "errors", "bytes_copied",
+             "stall_ns"), 0)
         self._arena_size = arena
         self._workers = workers
         self._private = None  # (Popen, run dir, parent pipe fd) of a daemon we started
@@ -448,6 +449,9 @@ class IodClient:
                 req = self._send(P.Acquire(self._req(), self.model_id, layer, missing, True),
                                  "acquire", layer, missing)
                 reply = self._wait(req)
+                if isinstance(reply, P.Error) and reply.code == E.TOO_MANY_PINS and \
+                        self._shed_unused(layer, experts):
+                    continue  # prefetched records nobody used held the room: retry
                 if isinstance(reply, P.Error):
                     self.counters["errors"] += 1
                     raise IodError(_error_text(reply.code, reply.message, reply.layer, reply.expert),
@@ -473,6 +477,18 @@ class IodClient:
         self.counters["ready_used"] += used
         self.counters["stall_ns"] += time.monotonic_ns() - t0
         return out
+
+    def _shed_unused(self, layer, keep) -> bool:
+        """Release pins of prefetched records not yet fetched (except ``keep``
+        of ``layer``); True if there were any."""
+        keep = {(layer, e) for e in keep}
+        drop = [k for k in self._unused if k not in keep]
+        if not drop:
+            return False
+        self._unused.difference_update(drop)
+        self._send_release([self._held.pop(k)[:2] for k in drop])
+        self.counters["shed"] += len(drop)
+        return True
 
     def _fresh(self, held) -> bool:
         slot, gen, _ = held

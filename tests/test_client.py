@@ -182,3 +182,17 @@ def test_queue_limit_is_typed(model):
         assert r.rt(P.Prefetch(r.req(), h.model_id, 0, list(range(6)))).count == 4
     finally:
         d.stop()
+
+
+def test_fetch_sheds_unused_prefetch_pins_when_full(model):
+    from shared import slots as S
+
+    d = LiveDaemon(args=["--arena", str(S.arena_bytes(303104, 4))])  # 4 slots
+    try:
+        with IodClient(model, iod=str(d.socket)) as c:
+            c.prefetch(0, [0, 1, 2])
+            wait_for(lambda: (c.poll(), c.ready(0) == [0, 1, 2])[1], what="readies")
+            views = c.fetch(1, [0, 1])  # 3 + 2 > 4 pins: the unused prefetches go
+            assert len(views) == 2 and c.counters["shed"] == 3
+    finally:
+        d.stop()
