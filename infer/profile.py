@@ -281,8 +281,13 @@ def summarize(records, spans, tokens, copies, meta) -> dict:
     n_tokens = len(tokens)
     copied = sum(c[2] for c in copies)
     decode = sum(c[2] for c in copies if tokens and c[1] > tokens[0])
+    unused = {}
+    for r in records:
+        if not r.get("copied"):
+            unused[record_kind(r)] = unused.get(record_kind(r), 0) + 1
     out = {
         "records": len(records),
+        "records_never_copied": dict(sorted(unused.items())),  # prefetched, then not needed
         "hops_us": hops,
         "request_to_mlx_us": {k: percentiles(v) for k, v in sorted(by_kind.items())},
         "per_layer": dict(sorted(per_layer.items(), key=lambda kv: int(kv[0]))),
@@ -309,6 +314,9 @@ def summary_markdown(s) -> str:
     lines = ["# Expert request profile", "",
              f"{s['records']} records received, {s['tokens']} tokens, "
              f"stall {s['stall_s']:.3f} s in total.", "",
+             "Records received but never copied into MLX (prefetched, then not needed): "
+             + (", ".join(f"{k} {v}" for k, v in s["records_never_copied"].items()) or "none")
+             + ".", "",
              "## Latency per hop (µs)", "",
              "| hop | n | p50 | p90 | p99 | max |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for hop, p in s["hops_us"].items():

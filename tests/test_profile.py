@@ -161,6 +161,9 @@ def test_summary_hops_are_exact_on_known_timings():
     assert s["decode_bytes_per_token"] == pytest.approx(6000 / 3)
     assert s["daemon_bytes_read_per_token"] == 2000
     assert s["token_ms"]["p50"] == pytest.approx(1e-5)
+    assert s["records_never_copied"] == {}
+    recs[3].pop("copied")
+    assert summarize(recs, spans, tokens, copies, {})["records_never_copied"] == {"acquire_hit": 1}
 
 
 def test_lanes_never_overlap_and_use_the_peak_concurrency():
