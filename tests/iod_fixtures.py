@@ -96,7 +96,9 @@ class Raw:
         import zmq
 
         self.zmq = zmq
-        self.ctx = zmq.Context(1)
+        # one process-wide context: a per-Raw context left to the garbage
+        # collector can block in Context.term() and hang the test run
+        self.ctx = zmq.Context.instance()
         self.s = self.ctx.socket(zmq.DEALER)
         self.s.setsockopt(zmq.LINGER, 0)
         self.s.connect(f"ipc://{sock}")
@@ -141,7 +143,6 @@ class Raw:
 
     def close(self):
         self.s.close()
-        self.ctx.term()
 
 
 def wait_for(cond, timeout=10.0, what="condition"):
