@@ -172,3 +172,18 @@ def test_bad_folder_is_one_line_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infer.cli", "serve", "--model", str(tmp_path),
                         "--port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip().startswith("infer serve: "), r.stderr
+
+
+def test_concurrent_requests_are_batched_and_exact(live, reference):
+    from concurrent.futures import ThreadPoolExecutor
+
+    other = "Once upon a time"
+
+    def one(prompt):
+        return live["client"].completions.create(model="default_model", prompt=prompt,
+                                                 max_tokens=N, temperature=0).choices[0].text
+
+    alone = one(other)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(one, [PROMPT, other, PROMPT, other]))
+    assert outs == [reference["text"], alone, reference["text"], alone]
