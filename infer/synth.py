@@ -8,6 +8,7 @@ model never sits in memory whole.
 """
 
 import argparse
+import re
 from dataclasses import dataclass
 import json
 import os
@@ -50,15 +51,17 @@ class Calibration:
     router_gain: float = 1.0
     weight_gain: float = 1.0
     router_ortho: bool = True
+    depth_decay: float = 0.4  # attention output of layer l scaled by (l + 1) ** -depth_decay
 
 
 # Measured with --routing-report on the tiny preset (small where given).
 CALIBRATION = {
-    "qwen3_moe": {},
+    "qwen3_moe": {"qk_gain": 2.2},
+    ("qwen3_moe", "small"): {"qk_gain": 2.4},
     "qwen3_next": {},
-    "mixtral": {"qk_gain": 1.35},
-    "gpt_oss": {"qk_gain": 1.05},
-    "deepseek_v3": {},
+    "mixtral": {"qk_gain": 1.2},
+    "gpt_oss": {"qk_gain": 0.95},
+    "deepseek_v3": {"mla_gain": 1.6},
 }
 CAL_OVERRIDE = {}  # for calibration sweeps
 QUERY_NAMES = ("q_proj",)  # their token-dependent part scales with qk_gain too
@@ -151,8 +154,15 @@ class Generator:
         if module_path.endswith("embed_tokens"):
             return self.cal.embed_std
         gain = self.cal.router_gain if module_path in self.routers else self.cal.weight_gain
-        if module_path.rpartition(".")[2] in QUERY_NAMES:
+        last = module_path.rpartition(".")[2]
+        if last in QUERY_NAMES:
             gain *= self.cal.qk_gain
+        if last in ("o_proj", "out_proj") and self.cal.depth_decay:
+            # the context that attention adds piles up with depth; keep the
+            # token's own part from drowning in deep models
+            m = re.search(r"(?:^|\.)layers\.(\d+)\.", module_path)
+            if m and not module_path.startswith("mtp."):
+                gain *= (int(m.group(1)) + 1) ** -self.cal.depth_decay
         return gain / shape[-1] ** 0.5
 
     def normal(self, name: str, mpath: str, shape, std: float):
