@@ -413,12 +413,31 @@ def _worker_argv(args, mode, out, extra=()):
     return argv
 
 
-def run_mode(args, mode, tmp) -> dict:
-    out = Path(tmp) / f"{mode}.json"
+def run_mode(args, mode, tmp, tag="") -> dict:
+    out = Path(tmp) / f"{mode}{tag}.json"
     p = subprocess.run(_worker_argv(args, mode, out), capture_output=True, text=True)
     if p.returncode != 0 or not out.exists():
         raise RuntimeError(f"mode {mode} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def merge_runs(runs) -> dict:
+    """One mode's figures from its single-run processes: medians of the
+    timings (and every run's value), the largest peaks, the rest from the
+    last run (the routing, hence the cache figures, is the same every run)."""
+    med = statistics.median
+    out = dict(runs[-1])
+    for key in ("decode_tok_s", "prefill_tok_s", "stall_fraction"):
+        if key in out:
+            vals = [x for r in runs for x in r.get(key + "_runs", [r[key]])]
+            out[key], out[key + "_runs"] = med(vals), vals
+    for key in ("peak_rss_infer", "peak_rss_iod"):
+        out[key] = max(r[key] for r in runs)
+    if "decode_s_per_token" in out:
+        out["decode_s_per_token"] = med(r["decode_s_per_token"] for r in runs)
+    if any(r["tokens"] != out["tokens"] for r in runs):
+        raise RuntimeError(f"mode {out['mode']}: tokens differ between runs")
+    return out
 
 
 def run_sessions(args, tmp, shared: bool) -> dict:
@@ -520,15 +539,33 @@ def main(argv=None) -> int:
               "prompt": args.prompt, "max_tokens": args.max_tokens, "runs": args.runs,
               "teacher_forcing": not args.free_run, "depth": args.depth, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        # runs interleaved over the modes (one process each), so that a change
+        # in the machine's load touches every mode alike
+        one = argparse.Namespace(**{**vars(args), "runs": 1})
+        runs = {m: [] for m in modes}
+        for r in range(args.runs):
+            for mode in modes:
+                if mode in report["modes"]:
+                    continue  # skipped or failed
+                print(f"infer bench: {mode} run {r + 1}/{args.runs} ...", file=sys.stderr,
+                      flush=True)
+                try:
+                    res = run_mode(one, mode, tmp, str(r))
+                except RuntimeError as e:
+                    print(f"infer bench: {e}", file=sys.stderr)
+                    report["modes"][mode] = {"mode": mode, "error": str(e)[-2000:]}
+                    continue
+                if "skipped" in res:
+                    report["modes"][mode] = res
+                else:
+                    runs[mode].append(res)
         for mode in modes:
-            print(f"infer bench: {mode} ...", file=sys.stderr, flush=True)
-            t0 = time.monotonic()
-            try:
-                report["modes"][mode] = run_mode(args, mode, tmp)
-            except RuntimeError as e:
-                print(f"infer bench: {e}", file=sys.stderr)
-                report["modes"][mode] = {"mode": mode, "error": str(e)[-2000:]}
-            report["modes"][mode]["wall_s"] = time.monotonic() - t0
+            if mode not in report["modes"]:
+                try:
+                    report["modes"][mode] = merge_runs(runs[mode])
+                except RuntimeError as e:
+                    report["modes"][mode] = {"mode": mode, "error": str(e)}
+        report["modes"] = {m: report["modes"][m] for m in modes}
         failed = [m for m, r in report["modes"].items() if "error" in r]
         ran = {m: r["tokens"] for m, r in report["modes"].items() if "tokens" in r}
         report["tokens_equal"] = len({tuple(t) for t in ran.values()}) <= 1

@@ -108,7 +108,10 @@ class ThreadedSource(SyncSource):
             key = self._queue.get()
             if key is None:
                 return
-            slot = self._pending[key]
+            with self._lock:
+                slot = self._pending.get(key)
+            if slot is None or slot["done"].is_set():
+                continue  # cancelled, or a repeat of a request already served
             try:
                 slot["data"] = self.read(*key)
             except Exception as e:
@@ -145,7 +148,11 @@ class ThreadedSource(SyncSource):
         return out
 
     def cancel(self, layer=-1):
-        pass
+        """Forget the prefetches of ``layer`` (-1: all) that were not fetched:
+        queued ones are skipped, read ones are dropped."""
+        with self._lock:
+            for key in [k for k in self._pending if layer == -1 or k[0] == layer]:
+                del self._pending[key]
 
     def close(self):
         for _ in self._threads:
