@@ -355,14 +355,16 @@ class IodClient:
             self._dead = DaemonDead(f"iod daemon (pid {self.daemon_pid}) shut down: {msg.reason}")
         elif isinstance(msg, P.AcquireOk):
             pend = self._pending.pop(msg.req_id, None)
+            extra = []
             for ref in msg.slots:
                 key = (msg.layer, ref[0])
                 old = self._held.get(key)
                 self._held[key] = (ref[1], ref[2], ref[3])
                 self._unused.discard(key)
-                if old is not None and old[:2] != (ref[1], ref[2]):
-                    self._send_release([old[:2]])  # replaced a stale pin
+                if old is not None:  # each grant is a pin: keep one per record
+                    extra.append(old[:2])
                 self._log(pend, msg.layer, ref, t_recv, "acquire")
+            self._send_release(extra)
             self._replies[msg.req_id] = msg
         else:
             pend = self._pending.pop(getattr(msg, "req_id", -1), None)
@@ -385,10 +387,8 @@ class IodClient:
         ref = msg.slot
         key = (msg.layer, ref[0])
         req = self._requested.pop(key, None)
-        held = self._held.get(key)
-        if held is not None:
-            if held[:2] != (ref[1], ref[2]):
-                self._send_release([[ref[1], ref[2]]])
+        if key in self._held:  # held already: this grant's pin is one too many
+            self._send_release([[ref[1], ref[2]]])
             return
         if req is None:  # cancelled or released meanwhile: not wanted
             self._send_release([[ref[1], ref[2]]])

@@ -31,7 +31,7 @@ class Slot:
         self.state = S.FREE
         self.key = None  # (model_id, layer, expert)
         self.generation = 0
-        self.pins = set()  # session ids
+        self.pins = {}  # session id -> pin count
         self.size = 0
 
 
@@ -140,17 +140,22 @@ class Arena:
         self.free.append(s.index)
 
     def pin(self, s: Slot, session: int) -> bool:
-        """Pin a READY slot for a session; False when it already held it."""
-        if session in s.pins:
-            return False
-        s.pins.add(session)
+        """One more pin of a READY slot by a session (pins are counted: each
+        grant is one pin, each release drops one). True on its first pin."""
+        n = s.pins.get(session, 0)
+        s.pins[session] = n + 1
         self.lru.pop(s.index, None)
-        return True
+        return n == 0
 
-    def unpin(self, s: Slot, session: int) -> bool:
-        if session not in s.pins:
+    def unpin(self, s: Slot, session: int, every: bool = False) -> bool:
+        """Drop one pin (``every``: all) of the session; True when it holds none now."""
+        n = s.pins.get(session, 0)
+        if n == 0:
             return False
-        s.pins.discard(session)
+        if n > 1 and not every:
+            s.pins[session] = n - 1
+            return False
+        del s.pins[session]
         if not s.pins and s.state == S.READY:
             self.lru[s.index] = None  # most recently used end
         return True

@@ -95,7 +95,7 @@ class Session:
         self.pid = pid
         self.model = model
         self.pidfd = None
-        self.pins = set()  # slot indexes
+        self.pins = {}  # slot index -> pin count (each Ready/AcquireOk grant is one)
         self.claims = 0  # records queued or awaited for this session
         self.requests = self.hits = self.misses = self.bytes = 0
         self.started = time.time()
@@ -421,7 +421,7 @@ class Daemon:
             self.by_pidfd.pop(s.pidfd, None)
             os.close(s.pidfd)
         for i in list(s.pins):
-            self.arena.unpin(self.arena.slots[i], s.id)
+            self.arena.unpin(self.arena.slots[i], s.id, every=True)
         s.pins.clear()
         for key, r in list(self.reads.items()):
             r.prefetchers.pop(s.id, None)
@@ -452,11 +452,20 @@ class Daemon:
                               layer, e)
         return layout, list(seen)
 
+    def pin_cap(self) -> int:
+        """Pins plus awaited records allowed per session: an equal share of
+        the slots (so sessions that all hold their share while waiting for
+        more still fit in the arena: no deadlock), at most --max-pins."""
+        share = self.arena.slot_count // max(len(self.sessions), 1)
+        return max(min(self.cfg.max_pins, share), 1)
+
     def _pin_room(self, s: Session, layer, new: int):
-        limit = min(self.cfg.max_pins, self.arena.slot_count)
+        limit = self.pin_cap()
         if len(s.pins) + s.claims + new > limit:
             raise Failure(E.TOO_MANY_PINS, f"session holds {len(s.pins)} pins and awaits "
-                          f"{s.claims}; {new} more exceed its limit of {limit}", layer)
+                          f"{s.claims}; {new} more exceed its limit of {limit} (an arena of "
+                          f"{self.arena.slot_count} slots shared by {len(self.sessions)} "
+                          f"sessions; a larger --arena allows more)", layer)
         if s.claims + new > self.cfg.max_queued:
             raise Failure(E.QUEUE_FULL, f"{s.claims} records queued, the limit is "
                           f"{self.cfg.max_queued}", layer)
@@ -464,7 +473,7 @@ class Daemon:
     def on_prefetch(self, ident, m: P.Prefetch, received):
         s = self._session(ident, m.model_id)
         layout, experts = self._records(s, m.layer, m.experts)
-        limit = min(self.cfg.max_pins, self.arena.slot_count, len(s.pins) + self.cfg.max_queued)
+        limit = min(self.pin_cap(), len(s.pins) + self.cfg.max_queued)
         room = max(limit - len(s.pins) - s.claims, 0)
         todo, hits = [], []
         for e in experts:
@@ -487,8 +496,7 @@ class Daemon:
         # count = experts accepted, a prefix of the request: each gets a Ready
         self._send(ident, P.Ok(m.req_id, len(hits) + len(todo)))
         for slot in hits:
-            self.arena.pin(slot, s.id)
-            s.pins.add(slot.index)
+            self._pin(s, slot)
             self.arena.touch(slot)
             self._count_hit(s, slot)
             self._send(ident, P.Ready(s.model.id, m.layer, self._ref(slot, received)))
@@ -524,6 +532,20 @@ class Daemon:
         if w.remaining == 0:
             self._finish(w)
 
+    def _pin(self, s: Session, slot):
+        self.arena.pin(slot, s.id)
+        s.pins[slot.index] = s.pins.get(slot.index, 0) + 1
+
+    def _unpin(self, s: Session, slot):
+        n = s.pins.get(slot.index, 0)
+        if n == 0:
+            return
+        self.arena.unpin(slot, s.id)
+        if n == 1:
+            del s.pins[slot.index]
+        else:
+            s.pins[slot.index] = n - 1
+
     def _count_hit(self, s, slot):
         s.hits += 1
         s.bytes += slot.size
@@ -531,9 +553,8 @@ class Daemon:
 
     def _grant(self, w: Waiter, expert, slot, hit=False, read=None):
         s = w.session
-        if self.arena.pin(slot, s.id):
-            s.pins.add(slot.index)
-            w.added.append(slot)
+        self._pin(s, slot)
+        w.added.append(slot)
         self.arena.touch(slot)
         if hit:
             self._count_hit(s, slot)
@@ -585,8 +606,7 @@ class Daemon:
         for i, gen in m.slots:
             slot = self.arena.slots[i]
             if slot.generation == gen and i in s.pins:
-                self.arena.unpin(slot, s.id)
-                s.pins.discard(i)
+                self._unpin(s, slot)
                 n += 1
         self._send(ident, P.Ok(m.req_id, n))
 
@@ -624,9 +644,7 @@ class Daemon:
                     key = q.popleft()
                     r = self.reads.get(key)
                     if r is None or r.state != QUEUED or r.cls != cls:
-                        continue  # stale: started, promoted, cancelled
-                    if cls == PREFETCH and sid not in r.prefetchers:
-                        continue
+                        continue  # stale: started, promoted, or nobody wants it now
                     return cls, sid, key
             # drop emptied session queues
             for sid in [sid for sid, q in queues.items() if not q]:
@@ -704,8 +722,7 @@ class Daemon:
             if s is None:
                 continue
             s.claims -= 1
-            self.arena.pin(r.slot, sid)
-            s.pins.add(r.slot.index)
+            self._pin(s, r.slot)
             s.bytes += r.slot.size
             ref = self._ref(r.slot, received, r)
             self.lat["miss"].add(ref[8] - received)
@@ -732,8 +749,7 @@ class Daemon:
                 continue
             w.failed = True
             for slot in w.added:  # undo this acquire's pins
-                if self.arena.unpin(slot, w.session.id):
-                    w.session.pins.discard(slot.index)
+                self._unpin(w.session, slot)
             self._send(w.session.ident, P.Error(w.req_id, int(code), message, layer, expert))
 
     # ---- stats and shutdown -----------------------------------------------------
@@ -749,6 +765,7 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 3),
             "socket": str(self.cfg.socket),
             "workers": self.cfg.workers,
+            "pin_cap": self.pin_cap() if self.arena.laid_out else 0,
             "read_rate_limit_MBps": self.cfg.read_rate / 1e6,
             "arena": {"name": a.name, "bytes": a.size, "slot_size": a.slot_size,
                       "slot_count": a.slot_count, "slots": a.counts() if a.laid_out else {},

@@ -104,19 +104,24 @@ def tiny(model):
 
 
 def test_requests_wait_for_pins_to_drop(tiny, model):
-    a, b = Raw(tiny.socket), Raw(tiny.socket)
-    ha, hb = a.hello(model), b.hello(model)
+    a = Raw(tiny.socket)
+    ha = a.hello(model)
     assert ha.slot_count == 4
-    held = a.rt(P.Acquire(a.req(), ha.model_id, 2, [0, 1, 2], True))
+    held = a.rt(P.Acquire(a.req(), ha.model_id, 2, [0, 1, 2, 3], True))  # alone: all 4
     assert isinstance(held, P.AcquireOk)
-    # a fourth slot is left: b gets one record now, the second must wait
-    b.send(P.Acquire(77, hb.model_id, 2, [3, 4], True))
+    b = Raw(tiny.socket)
+    hb = b.hello(model)  # now each session's share is 2 slots; a is over it
+    b.send(P.Acquire(77, hb.model_id, 2, [4, 5], True))
     assert not b.s.poll(300), "answered although every slot is pinned"
     a.rt(P.Release(a.req(), [held.slots[0][1:3]]))
+    assert not b.s.poll(300), "answered with one slot for two records"
+    a.rt(P.Release(a.req(), [held.slots[1][1:3]]))
     ok = b.until(77)
-    assert isinstance(ok, P.AcquireOk) and sorted(x[0] for x in ok.slots) == [3, 4]
-    # the released record was evicted for it: b's slots include its old slot
-    assert held.slots[0][1] in {x[1] for x in ok.slots}
+    assert isinstance(ok, P.AcquireOk) and sorted(x[0] for x in ok.slots) == [4, 5]
+    # the released records were evicted for it
+    assert {x[1] for x in ok.slots} == {held.slots[0][1], held.slots[1][1]}
+    # a, over its share, gets no more until it is back under it
+    assert a.rt(P.Acquire(a.req(), ha.model_id, 0, [0], True)).code == E.TOO_MANY_PINS
 
 
 def test_too_many_pins_is_typed(tiny, model):
