@@ -206,8 +206,9 @@ class IodClient:
         r, w = os.pipe()
         try:
             arena = str(self._arena_size)
-            proc, pid = spawn(sock, ["--arena", arena, "--workers", str(self._workers)],
-                              log=folder / "iod.log", parent_fd=r)
+            # short-lived: commit arena pages as they are used, not all at start
+            proc, pid = spawn(sock, ["--arena", arena, "--workers", str(self._workers),
+                                     "--no-prefault"], log=folder / "iod.log", parent_fd=r)
         except RuntimeError as e:
             os.close(w)
             shutil.rmtree(folder, ignore_errors=True)
