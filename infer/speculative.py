@@ -61,8 +61,18 @@ def make_cache(model):
     return cache
 
 
-def _trimmable(c):
-    return not isinstance(c, ArraysCache) and c.is_trimmable()
+def can_roll_back(cache, n):
+    """Whether every cache can be taken back after ``n`` more tokens. A
+    sliding-window cache can until its ring buffer wraps."""
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            continue
+        if getattr(c, "max_size", None):
+            if c.offset + n >= c.max_size:
+                return False
+        elif not c.is_trimmable():
+            return False
+    return True
 
 
 class CacheCheckpoint:
@@ -262,6 +272,7 @@ class SpecStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     draft_s: float = 0.0
+    no_rollback_passes: int = 0  # passes not drafted: a cache could not roll back
     drafting: bool = True  # the current decision of --draft auto
     auto_log: list = field(default_factory=list)
     store_start: dict = field(default_factory=dict)
@@ -281,7 +292,8 @@ class SpecStats:
             "exact": self.exact,
             "tokens": self.committed,
             "passes": self.passes,
-            "accept_len": self.committed / max(self.passes, 1),
+            # tokens committed per decode pass (the prefill's token excluded)
+            "accept_len": decoded / max(self.passes, 1),
             "accepted_per_draft_pass": self.accepted / max(self.draft_passes, 1),
             "acceptance_rate": self.accepted / max(self.drafted, 1),
             "drafted": self.drafted,
@@ -295,6 +307,7 @@ class SpecStats:
             "lookups_per_token": lookups / n,
             "hit_rate": d["hits"] / lookups if lookups else 0.0,
             "bytes_read_per_token": d["fetched_bytes"] / n,
+            "no_rollback_passes": self.no_rollback_passes,
             "auto": self.auto_log,
         }
 
@@ -397,9 +410,6 @@ def speculative_generate(
     forward = _Forward(model, want_hidden=use_mtp)
     wave = Wavefront(forward, store, stream) if exact else None
     cache = make_cache(model)
-    refeed_ok = all(isinstance(c, ArraysCache) or c.is_trimmable() for c in cache)
-    if not refeed_ok:
-        raise ValueError("the model's cache can be neither trimmed nor restored")
     prompt = [int(t) for t in prompt_ids]
     stats.prompt_tokens = len(prompt)
     stats.store_start = _store_stats(store)
@@ -442,6 +452,10 @@ def speculative_generate(
         drafting = policy.drafting(committed) if policy else k_max > 0
         stats.drafting = drafting
         k = min(k_max, max_tokens - committed - 1) if drafting else 0
+        while k and not can_roll_back(cache, k + 1):
+            k -= 1  # a sliding-window cache about to wrap: draft less or none
+        if drafting and k_max and not k and committed < max_tokens - 1:
+            stats.no_rollback_passes += 1
         with mx.stream(stream):
             td = time.perf_counter()
             drafts = [int(t) for t in drafter.propose(k)] if k > 0 else []
@@ -581,3 +595,164 @@ class DraftedStream:
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason="stop" if token in eos else "length",
         )
+
+
+# -- measurement: python -m infer.speculative --model DIR ---------------------------
+
+BENCH_PROMPTS = {
+    "code": "Continue this code:\n" + "".join(
+        f"def add_{i}(x):\n    return x + {i}\n\n" for i in range(8)
+    ),
+    "list": "Continue the list: " + ", ".join(["red", "green", "blue", "yellow"] * 6),
+    "free": "The lighthouse keeper counted the ships that passed in the night",
+}
+
+
+def _bench_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m infer.speculative",
+        description="speculative decoding against plain greedy decoding, in one process",
+    )
+    p.add_argument("--model", required=True, help="prep folder")
+    p.add_argument("--draft", default="ngram", choices=("ngram", "mtp"))
+    p.add_argument("--k", default="1,2,3,4", help="draft lengths, comma separated")
+    p.add_argument("--modes", default="exact,fast", help="exact, fast or both")
+    p.add_argument("--prompts", default="code,free", help=f"of {','.join(BENCH_PROMPTS)}")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--cache", type=float, default=0.25, help="expert cache, fraction of all experts")
+    p.add_argument("--read-rate", type=float, default=0.0,
+                   help="emulate a slower device: MB/s for the reads (0: as fast as it goes)")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--mismatch", action="store_true",
+                   help="only compare batched-pass logits with one-token steps, bit for bit")
+    return p
+
+
+def mismatch_rows(model, prompt_ids, n_tokens, k):
+    """How often a batched pass of k+1 tokens differs from one-token steps.
+
+    Generates ``n_tokens`` greedily one token at a time, then feeds the same
+    tokens again in chunks of k+1 from the same prefill, and compares the
+    logits row by row. Returns (rows, rows with any bit different, rows whose
+    greedy id differs, largest absolute difference).
+    """
+    fwd = _Forward(model, want_hidden=False)
+    ids = [int(t) for t in prompt_ids]
+
+    def prefill():
+        cache = make_cache(model)
+        fwd(mx.array(ids[:-1])[None], cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    cache, seq, step_rows = prefill(), [ids[-1]], []
+    for _ in range(n_tokens):
+        logits, _ = fwd(mx.array([[seq[-1]]]), cache)
+        mx.eval(logits)
+        step_rows.append(np.array(logits[0, -1]))
+        seq.append(int(_greedy(logits)[0].item()))
+    cache, batched_rows = prefill(), []
+    for i in range(0, n_tokens, k + 1):
+        logits, _ = fwd(mx.array(seq[i : min(i + k + 1, n_tokens)])[None], cache)
+        mx.eval(logits)
+        batched_rows.extend(np.array(logits[0]))
+    differ = sum(not np.array_equal(a, b) for a, b in zip(step_rows, batched_rows))
+    argmax = sum(int(a.argmax() != b.argmax()) for a, b in zip(step_rows, batched_rows))
+    maxdiff = max(float(np.abs(a - b).max()) for a, b in zip(step_rows, batched_rows))
+    return len(step_rows), differ, argmax, maxdiff
+
+
+def bench_main(argv=None):
+    import json
+    import statistics
+    import sys
+
+    from .loader import check_prep_folder, load_streaming
+    from .mtp import MTPDrafter, has_mtp, load_mtp
+    from .run import encode_prompt
+    from .sources import SyncSource
+
+    args = _bench_parser().parse_args(argv)
+    manifest = check_prep_folder(args.model)
+    if args.draft == "mtp" and not has_mtp(args.model):
+        print(f"{args.model} has no MTP head", file=sys.stderr)
+        return 2
+    source = SyncSource(args.model, read_rate=args.read_rate * 1e6)
+    cache_bytes = int(manifest.expert_bytes * args.cache)
+    model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
+    head = load_mtp(args.model, model, store, manifest) if args.draft == "mtp" else None
+    if args.mismatch:
+        for name in args.prompts.split(","):
+            ids = encode_prompt(tokenizer, BENCH_PROMPTS[name])
+            for k in [int(k) for k in args.k.split(",")]:
+                n, differ, argmax, maxdiff = mismatch_rows(model, ids, args.max_tokens, k)
+                print(f"{name:5s} K={k}: {differ}/{n} logit rows differ bitwise, "
+                      f"{argmax} greedy ids differ, max |diff| {maxdiff:.3g}", flush=True)
+        source.close()
+        return 0
+
+    def once(ids, draft, k, exact):
+        store.stacks.clear()  # every run starts with an empty expert cache
+        mtp = MTPDrafter(head, model) if head is not None and draft == "mtp" else None
+        out, stats = [], None
+        for t, stats in speculative_generate(
+            model, ids, draft=draft, num_draft=k, max_tokens=args.max_tokens,
+            mtp=mtp, exact=exact, store=store,
+        ):
+            out.append(t)
+        return out, stats.summary()
+
+    rows = []
+    ks = [int(k) for k in args.k.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    for name in args.prompts.split(","):
+        ids = encode_prompt(tokenizer, BENCH_PROMPTS[name])
+        configs = [("none", 0, True)] + [(args.draft, k, m == "exact") for k in ks for m in modes]
+        results = {c: [] for c in configs}
+        # interleave the configurations run by run, so load drifts hit all alike
+        for _ in range(args.runs):
+            for c in configs:
+                results[c].append(once(ids, *c))
+        base_ids = results[configs[0]][0][0]
+        base_tps = statistics.median(s["decode_tok_s"] for _, s in results[configs[0]])
+        for c in configs:
+            tps = [s["decode_tok_s"] for _, s in results[c]]
+            s = results[c][0][1]
+            first_diff = next(
+                (i for i, (a, b) in enumerate(zip(results[c][0][0], base_ids)) if a != b), None
+            )
+            row = {
+                "prompt": name, "kind": c[0], "k": c[1],
+                "mode": "exact" if c[2] else "fast",
+                "accept_len": s["accept_len"], "acceptance_rate": s["acceptance_rate"],
+                "decode_tok_s": statistics.median(tps), "decode_tok_s_runs": tps,
+                "baseline_decode_tok_s": base_tps,
+                "speedup": statistics.median(tps) / base_tps if base_tps else 0.0,
+                "experts_per_token": s["experts_per_token"],
+                "bytes_read_per_token": s["bytes_read_per_token"],
+                "hit_rate": s["hit_rate"], "draft_s": s["draft_s"], "decode_s": s["decode_s"],
+                "same_ids": results[c][0][0] == base_ids, "first_diff": first_diff,
+                "tokens": len(results[c][0][0]),
+            }
+            rows.append(row)
+            print(
+                f"{name:5s} {c[0]:5s} K={c[1]} {row['mode']:5s} accept_len {row['accept_len']:.2f} "
+                f"tok/s {row['decode_tok_s']:.2f} [{min(tps):.2f}-{max(tps):.2f}] "
+                f"x{row['speedup']:.2f} experts/tok {row['experts_per_token']:.1f} "
+                f"MB/tok {row['bytes_read_per_token'] / 1e6:.2f} same_ids {row['same_ids']}",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": str(args.model), "max_tokens": args.max_tokens,
+                       "cache": args.cache, "read_rate": args.read_rate, "runs": args.runs,
+                       "rows": rows}, f, indent=1)
+    source.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_main())
