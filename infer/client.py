@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import zmq
@@ -87,7 +88,9 @@ class IodClient:
         self._dead = None
         self.daemon_pid = 0
         self.session_id = 0
-        atexit.register(self.close)
+        me = weakref.ref(self)  # atexit must not keep the client (and its mapping) alive
+        self._atexit = lambda: me() is not None and me().close()
+        atexit.register(self._atexit)
         self._connect()
 
     # ---- connecting ----------------------------------------------------------------
@@ -262,7 +265,7 @@ class IodClient:
 
     def close(self) -> None:
         """BYE, unmap, and stop the private daemon if we started it."""
-        atexit.unregister(self.close)
+        atexit.unregister(self._atexit)
         if self._sock is not None and self._dead is None:
             try:
                 req = self._send(P.Bye(self._req()), "bye")
