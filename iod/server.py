@@ -564,9 +564,13 @@ class Daemon:
     def _finish(self, w: Waiter):
         sent = time.monotonic_ns()
         refs = [w.refs[e] for e in w.refs]
+        all_hits = not any(ref[6] for ref in refs)
         for ref in refs:
             ref[8] = sent
-            self.lat["miss" if ref[6] else "hit"].add(sent - ref[4])
+            if ref[6]:
+                self.lat["miss"].add(sent - ref[4])
+            elif all_hits:  # a hit that waited for a read in the same acquire is neither
+                self.lat["hit"].add(sent - ref[4])
         self._send(w.session.ident, P.AcquireOk(w.req_id, w.layer, refs))
 
     def _ref(self, slot, received, read=None):
