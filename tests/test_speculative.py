@@ -304,3 +304,18 @@ def test_draft_mtp_refused_without_mtp(prep_model):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "mtp" in lines[0].lower()
+
+
+def test_sliding_window_wrap_stays_exact(prep_model):
+    """gpt_oss's sliding-window caches cannot be trimmed once their ring
+    buffer wraps: drafting shrinks, then stops, before that; ids stay exact."""
+    prep = prep_model("gpt_oss")
+    source = SyncSource(prep)
+    model, _, store = load_streaming(prep, source, cache_bytes=1 << 18)
+    window = model.args.sliding_window
+    p = [(7 * i) % 900 + 3 for i in range(window - 40)]
+    ref = greedy(model, p, 64)
+    out, stats = spec(model, p, 64, draft="ngram", num_draft=4, store=store)
+    source.close()
+    assert out == ref
+    assert stats.no_rollback_passes > 0
