@@ -14,6 +14,8 @@ raises answers INTERNAL and the daemon carries on.
 
 import os
 import signal
+import socket
+import struct
 import sys
 import time
 from collections import deque
@@ -154,7 +156,7 @@ class Daemon:
         self.c = dict.fromkeys(
             ("requests", "hits", "misses", "reads", "bytes_read", "coalesced", "promoted",
              "read_errors", "checksum_errors", "retries", "cancelled", "internal_errors",
-             "bad_messages", "evictions"), 0)
+             "bad_messages", "evictions", "refused_peers"), 0)
         self.busy_ns = 0
         self.busy_since = 0
         self.lat = {k: Latency() for k in ("hit", "miss", "queue_wait", "read")}
@@ -211,6 +213,12 @@ class Daemon:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.wake_r, zmq.POLLIN)
         self.poller.register(self.sig_r, zmq.POLLIN)
+        self.peers = {}  # accepted connection fd -> (pid, uid) from SO_PEERCRED
+        self.monitor = None
+        if hasattr(socket, "SO_PEERCRED"):  # Linux: check who connects
+            self.monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            self.poller.register(self.monitor, zmq.POLLIN)
         if self.parent_fd is not None:
             self.poller.register(self.parent_fd, zmq.POLLIN)
         for s in (signal.SIGTERM, signal.SIGINT):
@@ -234,6 +242,8 @@ class Daemon:
                 self._drain_completions()
             if self.sig_r in events:
                 _drain_fd(self.sig_r)
+            if self.monitor is not None and self.monitor in events:
+                self._drain_monitor()
             if self.parent_fd is not None and self.parent_fd in events:
                 if not os.read(self.parent_fd, 4096):
                     self.stopping = "parent exited"
@@ -245,6 +255,31 @@ class Daemon:
                 self._check_liveness()
             self._pump()
         self.shutdown(self.stopping)
+
+    def _drain_monitor(self):
+        """Peer check on connect: a connection from another uid is shut down
+        at once; the others' pids are kept, so HELLO's pid can be checked."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                ev = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            fd = ev["value"]
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.peers.pop(fd, None)
+                continue
+            cred = _peer_cred(fd)
+            if cred is None:
+                continue
+            if cred[1] != os.getuid():
+                self.c["refused_peers"] += 1
+                _shutdown_fd(fd)
+                print(f"iod: refused a connection from uid {cred[1]} (pid {cred[0]})",
+                      file=sys.stderr, flush=True)
+            else:
+                self.peers[fd] = cred
 
     def _timeout_ms(self):
         if any(s.pidfd is None for s in self.sessions.values()):
@@ -332,6 +367,10 @@ class Daemon:
             raise Failure(E.BAD_MESSAGE, f"pid {m.pid} is not a live process")
         if not _same_user(m.pid):
             raise Failure(E.PERMISSION, f"pid {m.pid} belongs to another user")
+        if self.monitor is not None:
+            self._drain_monitor()
+            if all(pid != m.pid for pid, _ in self.peers.values()):
+                raise Failure(E.PERMISSION, f"pid {m.pid} is not a process connected to iod")
         model = self._model(m.model_dir)
         if not self.arena.laid_out:
             try:
@@ -808,6 +847,9 @@ class Daemon:
         for s in list(self.sessions.values()):
             self._send(s.ident, P.Shutdown(f"iod stopping: {reason}"))
             self.end_session(s, "shutdown")
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=500)
         self.ctx.term()
         for m in self.models.values():
@@ -843,6 +885,27 @@ def _same_user(pid) -> bool:
         return os.stat(f"/proc/{pid}").st_uid == os.getuid()
     except OSError:
         return True  # no /proc (macOS): the 0700 run dir and 0600 socket guard
+
+
+def _peer_cred(fd):
+    """(pid, uid) of the process at the other end of a unix socket fd, or None."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.family != socket.AF_UNIX:
+                return None
+            pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                           struct.calcsize("3i")))
+            return pid, uid
+    except OSError:
+        return None
+
+
+def _shutdown_fd(fd):
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            s.shutdown(socket.SHUT_RDWR)  # the connection itself: libzmq sees EOF
+    except OSError:
+        pass
 
 
 def _guess_req_id(body) -> int:

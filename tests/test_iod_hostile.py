@@ -154,3 +154,46 @@ def test_fuzzed_frames(daemon, model):
         ok = good.rt(P.Stats(good.req()))
         assert isinstance(ok, P.StatsOk)
     assert ok.stats["counters"]["internal_errors"] == 0
+
+
+def test_hello_pid_must_be_the_connected_process(model):
+    d = LiveDaemon(args=["--arena", "16M"])
+    try:
+        r = Raw(d.socket)
+        err = r.hello(model, pid=d.pid)  # a live process of ours, but not the one connected
+        assert err.code == E.PERMISSION and "not a process connected" in err.message
+        assert isinstance(r.hello(model), P.HelloOk)
+    finally:
+        d.stop()
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not hasattr(__import__("socket"), "SO_PEERCRED"),
+                    reason="needs root to become another user, and SO_PEERCRED")
+def test_connection_from_another_uid_is_shut(model):
+    d = LiveDaemon(args=["--arena", "16M"])
+    try:
+        # open the doors the modes normally close, to reach the peer check behind them
+        os.chmod(d.folder, 0o711)
+        os.chmod(d.socket, 0o666)
+        pid = os.fork()  # the venv's python is not runnable as nobody: fork instead
+        if pid == 0:
+            rc = 2
+            try:
+                import zmq
+
+                os.setuid(65534)
+                ctx = zmq.Context()
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(f"ipc://{d.socket}")
+                s.send_multipart([bytes([6]), msgpack.packb({"req_id": 1})])
+                rc = 1 if s.poll(2000) else 0
+            finally:
+                os._exit(rc)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "another uid was answered"
+        r = Raw(d.socket)
+        st = r.rt(P.Stats(1)).stats
+        assert st["counters"]["refused_peers"] >= 1  # and we, the owner, are still served
+    finally:
+        d.stop()
