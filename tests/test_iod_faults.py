@@ -17,12 +17,13 @@ def model(tmp_path_factory):
     return folder
 
 
-FAULTS = "eio:0:3:1,short:2:5:1,corrupt:1:2:1,corrupt:1:4:2,eio:0:9:1"
+FAULTS = "eio:2:3:1,short:2:5:1,corrupt:1:2:1,corrupt:1:4:2,eio:0:9:1"
 
 
 @pytest.fixture(scope="module")
 def daemon():
-    # slow reads (2 MB/s): a second asker attaches while the failing read is under way
+    # slow reads (2 MB/s; 150 ms for a layer-2 record): a second asker attaches
+    # while the failing read is under way
     d = LiveDaemon(args=["--arena", "16M", "--workers", "2", "--read-rate", "2"],
                    env={"IOD_FAULTS": FAULTS})
     yield d
@@ -43,15 +44,15 @@ def _bytes_ok(model, daemon, hello, reply, layer):
 def test_eio_then_next_read_works(daemon, model):
     a, b = Raw(daemon.socket), Raw(daemon.socket)
     ha, hb = a.hello(model), b.hello(model)
-    a.send(P.Acquire(1, ha.model_id, 0, [3, 4], True))
-    b.send(P.Acquire(2, hb.model_id, 0, [3], True))
+    a.send(P.Acquire(1, ha.model_id, 2, [3, 4], True))
+    b.send(P.Acquire(2, hb.model_id, 2, [3], True))
     ea, eb = a.until(1), b.until(2)
     for err in (ea, eb):  # every waiter of the record hears of it
         assert isinstance(err, P.Error) and err.code == E.IO_ERROR
-        assert (err.layer, err.expert) == (0, 3) and "layer 0 expert 3" in err.message
-    ok = a.rt(P.Acquire(3, ha.model_id, 0, [3, 4], True))
+        assert (err.layer, err.expert) == (2, 3) and "layer 2 expert 3" in err.message
+    ok = a.rt(P.Acquire(3, ha.model_id, 2, [3, 4], True))
     assert isinstance(ok, P.AcquireOk)
-    _bytes_ok(model, daemon, ha, ok, 0)
+    _bytes_ok(model, daemon, ha, ok, 2)
     st = a.rt(P.Stats(4)).stats
     # the failed acquire's other pin (expert 4) was undone; now 3 and 4 are pinned once
     assert st["sessions"][0]["pins"] == 2 and st["counters"]["read_errors"] >= 1
