@@ -847,11 +847,14 @@ class Daemon:
         for s in list(self.sessions.values()):
             self._send(s.ident, P.Shutdown(f"iod stopping: {reason}"))
             self.end_session(s, "shutdown")
-        if self.monitor is not None:
-            self.sock.disable_monitor()
-            self.monitor.close(linger=0)
-        self.sock.close(linger=500)
-        self.ctx.term()
+        try:
+            if self.monitor is not None:
+                self.sock.disable_monitor()
+                self.monitor.close(linger=0)
+            self.sock.close(linger=500)
+            self.ctx.term()
+        except zmq.ZMQError as e:  # still remove what we own below
+            print(f"iod: closing the socket: {e}", file=sys.stderr, flush=True)
         for m in self.models.values():
             m.close()
         self.arena.close(unlink=True)
