@@ -96,9 +96,14 @@ class Policy:
                 v = self.victim(req)
                 if v is None:
                     break  # the rest of this call runs from a temporary stack
+                if not self.admit(e, v):
+                    continue  # bypass: this call uses it from a temporary stack
                 del self.cached[v]
             self.on_insert(e)
         return len(missing)
+
+    def admit(self, new, victim):
+        return True
 
 
 class LRU(Policy):
@@ -151,12 +156,29 @@ class FreqDecay(LFU):
         return best
 
 
+class FreqDecayAdmit(FreqDecay):
+    """FreqDecay that caches a missed expert only when its decayed frequency
+    is above the victim's (TinyLFU-style admission); otherwise the call uses
+    it once from a temporary stack and the cache is left as it was."""
+
+    def admit(self, new, victim):
+        return self._now(new) > self._now(victim)
+
+
+class LFUAdmit(LFU):
+    def admit(self, new, victim):
+        return self.count[new] > self.count[victim]
+
+
 POLICIES = {
     "lru": LRU,
     "lfu": LFU,
     "decay4": lambda c: FreqDecay(c, 4.0),
     "decay16": lambda c: FreqDecay(c, 16.0),
     "decay64": lambda c: FreqDecay(c, 64.0),
+    "lfu+adm": LFUAdmit,
+    "decay16+adm": lambda c: FreqDecayAdmit(c, 16.0),
+    "decay64+adm": lambda c: FreqDecayAdmit(c, 64.0),
 }
 
 
@@ -172,3 +194,25 @@ def simulate(trace, capacity, policy="lru"):
         p = make(cap)
         total += sum(p.request(r) for r in reqs)
     return total
+
+
+def _global_requests(trace):
+    return [frozenset((int(layer), int(e)) for e in experts) for layer, experts in trace]
+
+
+def belady_global(trace, capacity):
+    """Belady with one pool of ``capacity`` experts shared by all layers."""
+    return belady_layer(_global_requests(trace), capacity)
+
+
+def simulate_global(trace, capacity, policy="lru", layers=1):
+    """An online policy over one pool shared by all layers (decay half-lives
+    are scaled by ``layers``: the pool sees every layer's call per token)."""
+    if capacity <= 0:
+        return sum(len(r) for _, r in trace)
+    if isinstance(policy, str) and policy.startswith("decay"):
+        half, _, adm = policy[5:].partition("+")
+        p = (FreqDecayAdmit if adm else FreqDecay)(capacity, float(half) * layers)
+    else:
+        p = (POLICIES[policy] if isinstance(policy, str) else policy)(capacity)
+    return sum(p.request(r) for r in _global_requests(trace))

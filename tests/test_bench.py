@@ -107,3 +107,26 @@ def test_online_policies_never_beat_belady(policy):
              for _ in range(200) for l in range(3)]
     for cap in (0, 2, 5, 9, 16):
         assert belady_misses(trace, cap) <= simulate(trace, cap, policy)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3])
+def test_the_store_misses_what_its_simulated_policy_misses(prep_model, fraction):
+    """The session cache's replacement rule is the one the policy table
+    measured (decay16), and Belady on its own trace never misses more."""
+    from infer.bench import decode, forced_ids
+    from infer.loader import load_streaming
+    from infer.sources import SyncSource
+    from infer.streaming import LayerStack
+
+    prep = prep_model("qwen3_moe")
+    source = SyncSource(prep)
+    model, tok, store = load_streaming(prep, source, None)
+    store.cache_bytes = int(source.manifest.expert_bytes * fraction)
+    store.depth = 0
+    store.trace = []
+    decode(model, tok.encode("Hello there, lighthouse"), forced_ids(tok, 24), 24, store)
+    source.close()
+    cap = {l: s.capacity for l, s in store.stacks.items()}
+    assert LayerStack.HALF_LIFE == 16.0
+    assert store.stats["misses"] == simulate(store.trace, cap, "decay16")
+    assert belady_misses(store.trace, cap) <= store.stats["misses"]
