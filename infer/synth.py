@@ -31,7 +31,7 @@ QUANTS = {
     "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
 }
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
-SHARD_BYTES = 1 << 30
+SHARD_BYTES = 512 << 20
 
 # Routing calibration (see `infer synth --routing-report` and docs/format.md).
 # Every token embedding shares a mean direction m (mean_ratio times the size of
@@ -64,7 +64,10 @@ CALIBRATION = {
     "deepseek_v3": {"mla_gain": 1.6},
 }
 CAL_OVERRIDE = {}  # for calibration sweeps
-QUERY_NAMES = ("q_proj",)  # their token-dependent part scales with qk_gain too
+QUERY_NAMES = ("q_proj",)
+ROW_CHUNK = 8192  # rows per key for big 2-D tensors (fixed: it shapes the bytes)
+# matrices whose structure spans all rows (drawn whole)
+ROW_STRUCTURED = ("q_proj", "k_proj", "in_proj_qkvz", "q_b_proj", "kv_a_proj_with_mqa", "gate", "router")  # their token-dependent part scales with qk_gain too
 
 
 def calibration(arch: str, preset: str) -> Calibration:
@@ -133,7 +136,7 @@ def _key(seed: int, name: str, index: int = 0):
 class Generator:
     """Draws each tensor of a module tree; yields (name, array) one at a time."""
 
-    def __init__(self, seed: int, dtype, quant_plan: dict, routers: set, expert_chunk_bytes=64 << 20,
+    def __init__(self, seed: int, dtype, quant_plan: dict, routers: set, expert_chunk_bytes=16 << 20,
                  hidden=None, head_dim=None, config=None, cal: Calibration = Calibration()):
         self.cal = cal
         self.config = config
@@ -192,6 +195,19 @@ class Generator:
                     chunks = list(self._chunks(full, mpath, init.shape, std, q))
                     parts = list(zip(*chunks))
                     outs = [mx.concatenate(p, axis=0) for p in parts]
+                elif init.shape[0] > ROW_CHUNK and mpath.rpartition(".")[2] not in ROW_STRUCTURED:
+                    # big matrices (embeddings, lm_head) in row blocks, each
+                    # with its own key: memory stays at one block
+                    parts = []
+                    for i, r0 in enumerate(range(0, init.shape[0], ROW_CHUNK)):
+                        rows = min(ROW_CHUNK, init.shape[0] - r0)
+                        w = mx.random.normal((rows, init.shape[1]), key=_key(self.seed, full, i)) * std
+                        w = self.structure(mpath, w).astype(self.dtype)
+                        out = tuple(self._quantize(w, q)) if q else (w,)
+                        mx.eval(out)
+                        parts.append(out)
+                        mx.clear_cache()
+                    outs = [mx.concatenate(p, axis=0) for p in zip(*parts)]
                 else:
                     w = mx.random.normal(init.shape, key=_key(self.seed, full)) * std
                     w = self.structure(mpath, w).astype(self.dtype)
@@ -200,6 +216,8 @@ class Generator:
                 for n, a in zip(names, outs):
                     mx.eval(a)
                     yield n, a
+                del outs
+                mx.clear_cache()
             elif leaf == "bias" and init.ndim >= 1 and "norm" not in path:
                 # Small random biases (gpt-oss's attention and per-expert ones).
                 a = (mx.random.normal(init.shape, key=_key(self.seed, full)) * 0.02).astype(self.dtype)
@@ -337,6 +355,7 @@ class ShardWriter:
         mx.save_safetensors(str(path), self.pending, metadata={"format": "mlx"})
         self.files.append((path, list(self.pending)))
         self.pending = {}
+        mx.clear_cache()
         self.size = 0
 
     def finish(self, single_name=None):

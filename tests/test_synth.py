@@ -204,3 +204,34 @@ def test_routing_report_cli(synth_model, prep_model, capsys):
     assert "LRU(4) hit" in lines[0] and lines[-1].startswith("mean over 4 layers")
     assert synth_main(["--routing-report", str(prep_model("mixtral"))]) == 2
     assert capsys.readouterr().err.startswith("infer synth: ")
+
+
+def test_synth_memory_stays_near_one_layer(tmp_path):
+    """A model several times larger than a shard plus a layer is written with
+    bounded memory (subprocess, so its peak RSS is its own)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from pathlib import Path
+from infer import synth, synth_presets
+synth_presets.SIZES["mem"] = dict(synth_presets.SIZES["tiny"], hidden=1024, moe_inter=512, experts=32, layers=6, vocab=256)
+synth.PRESETS = synth_presets.PRESETS + ("mem",)
+synth.SHARD_BYTES = 32 << 20
+assert synth.main(["--arch", "qwen3_moe", "--preset", "mem", "--quant", "affine8", "--out", {str(tmp_path / "m")!r}]) == 0
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        print("peak", int(line.split()[1]) // 1024)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    peak = int(r.stdout.split("peak ")[1].split()[0])
+    size = sum(p.stat().st_size for p in (tmp_path / "m").iterdir()) >> 20
+    base = int(subprocess.run(
+        [sys.executable, "-c", "import infer.synth, mlx_lm.utils\nfor l in open('/proc/self/status'):\n if l.startswith('VmHWM:'): print(int(l.split()[1]) // 1024)"],
+        capture_output=True, text=True).stdout)
+    print(f"synth peak RSS {peak} MB (imports {base} MB) for a {size} MB model")
+    assert size > 250
+    # imports + one shard (32 MB) + one layer's float chunks and quantized experts (~60 MB)
+    assert peak - base < 160, (peak, base, size)
