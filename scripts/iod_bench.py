@@ -60,32 +60,42 @@ def records(m: Manifest, seed: int):
     return keys
 
 
+PLAIN_SLOTS = 256
+
+
 def plain_read(folder: Path, m: Manifest, keys, threads: int, checksum=False) -> float:
-    """Bytes/s of N threads preading the records with O_DIRECT into aligned
-    buffers (and, with ``checksum``, verifying each record as iod does)."""
+    """Bytes/s of N threads preading the records with O_DIRECT (and, with
+    ``checksum``, verifying each as iod does). Like iod, each read lands in
+    the next of 256 page-aligned slots of one shared, prefaulted mapping."""
     fds = {l.layer: open_blob(folder / l.file)[0] for l in m.layers}
     lay = {l.layer: l for l in m.layers}
-    it = iter(keys)
+    it = iter(enumerate(keys))
     lock = threading.Lock()
     total = [0]
+    stride = m.max_stride
+    area = mmap.mmap(-1, PLAIN_SLOTS * stride, mmap.MAP_SHARED)
+    try:
+        area.madvise(23)  # MADV_POPULATE_WRITE, as iod's prefault
+    except (OSError, ValueError):
+        pass
+    mv = memoryview(area)
 
     def work():
-        buf = mmap.mmap(-1, m.max_stride)
         n = 0
         while True:
             with lock:
-                k = next(it, None)
-            if k is None:
+                item = next(it, None)
+            if item is None:
                 break
+            i, k = item
             l = lay[k[0]]
-            n += native.pread_full(fds[k[0]], buf, 0, l.stride, k[1] * l.stride)
+            dest = mv[(i % PLAIN_SLOTS) * stride:][: l.stride]
+            n += native.pread_full(fds[k[0]], dest, 0, l.stride, k[1] * l.stride)
             if checksum:
-                view = memoryview(buf)[: l.record_bytes]
-                assert record_checksum(k[0], k[1], view) == l.checksum(k[1])
-                view.release()
+                assert record_checksum(k[0], k[1], dest[: l.record_bytes]) == l.checksum(k[1])
+            dest.release()
         with lock:
             total[0] += n
-        buf.close()
 
     ts = [threading.Thread(target=work) for _ in range(threads)]
     t0 = time.perf_counter()
@@ -96,6 +106,8 @@ def plain_read(folder: Path, m: Manifest, keys, threads: int, checksum=False) ->
     dt = time.perf_counter() - t0
     for fd in fds.values():
         os.close(fd)
+    mv.release()
+    area.close()
     return total[0] / dt
 
 

@@ -268,3 +268,16 @@ def test_stop_lets_reads_in_flight_finish(model):
     assert isinstance(second, P.Shutdown)
     assert d.proc.wait(10) == 0
     assert not shm_entries(d.pid) and not d.socket.exists()
+
+
+def test_parse_size():
+    import argparse
+
+    from iod.cli import parse_size
+
+    assert parse_size("2G") == 2 << 30 and parse_size("512M") == 512 << 20
+    assert parse_size("64k") == 64 << 10 and parse_size("1048576") == 1 << 20
+    assert parse_size("1.5GiB") == 3 << 29
+    for bad in ("0", "-1M", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
