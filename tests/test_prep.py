@@ -167,6 +167,27 @@ def test_refuses_unsupported_quantization(tmp_path, capsys, synth_model):
     assert not out.exists()
 
 
+def test_unquantized_experts(tmp_path, synth_model):
+    """Float experts (no scales) are accepted: segments are just the weights."""
+    src = tmp_path / "float"
+    shutil.copytree(synth_model("qwen3_moe"), src)
+    w = mx.load(str(src / "model.safetensors"))
+    for k in [k for k in w if ".switch_mlp." in k and k.endswith(".weight")]:
+        p = k[: -len(".weight")]
+        w[k] = mx.dequantize(w[k], w.pop(p + ".scales"), w.pop(p + ".biases"), group_size=64, bits=4)
+    mx.save_safetensors(str(src / "model.safetensors"), w)
+    out = tmp_path / "out"
+    assert prep_main(["--model", str(src), "--out", str(out), "--no-progress"]) == 0
+    l = Manifest.load(out).layers[0]
+    assert l.quantization == {}
+    assert [(s.projection, s.tensor, s.dtype) for s in l.segments] == [
+        ("gate_proj", "weight", "float32"), ("up_proj", "weight", "float32"), ("down_proj", "weight", "float32")
+    ]
+    rec = read_record(out, l, 3)
+    s = l.segments[2]
+    assert rec[s.offset : s.offset + s.nbytes] == raw(w[f"{l.module}.down_proj.weight"][3])
+
+
 def test_refuses_non_empty_out_without_force(tmp_path, capsys, synth_model):
     src = synth_model("qwen3_moe")
     out = tmp_path / "out"

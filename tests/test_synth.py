@@ -12,6 +12,7 @@ from infer.synth import main as synth_main
 ARCHS = [
     ("qwen3_moe", "affine4"),
     ("qwen3_moe", "affine8"),
+    ("qwen3_moe", "mxfp4"),
     ("qwen3_next", "affine4"),
     ("mixtral", "affine4"),
     ("gpt_oss", "mxfp4"),
@@ -37,6 +38,7 @@ def test_loads_and_generates(arch, quant, synth_model):
     assert bool(mx.all(mx.isfinite(logits)))
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["quantization"]["bits"] == (8 if quant == "affine8" else 4)
+    assert cfg["quantization"]["mode"] == ("mxfp4" if quant == "mxfp4" else "affine")
     assert cfg["torch_dtype"] == "float32"
 
 
