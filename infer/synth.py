@@ -358,11 +358,25 @@ class ShardWriter:
         mx.clear_cache()
         self.size = 0
 
-    def finish(self, single_name=None):
+    def finish(self, one_file=False):
+        """Name the shards (``stem.safetensors`` if one, else numbered with an
+        index); with ``one_file`` the parts are joined by copying raw bytes."""
         self.flush()
         n = len(self.files)
         if n == 1:
-            os.replace(self.files[0][0], self.folder / (single_name or f"{self.stem}.safetensors"))
+            os.replace(self.files[0][0], self.folder / f"{self.stem}.safetensors")
+            return
+        if one_file:
+            from .prep_safetensors import read_header, write_file
+
+            tensors = []
+            for path, _ in self.files:
+                tensors += sorted(read_header(path)[0].values(), key=lambda t: t.start)
+            tmp = self.folder / f".{self.stem}.joined.safetensors"
+            write_file(tmp, tensors, {"format": "mlx"})
+            os.replace(tmp, self.folder / f"{self.stem}.safetensors")
+            for path, _ in self.files:
+                path.unlink()
             return
         weight_map = {}
         for i, (path, names) in enumerate(self.files):
@@ -449,10 +463,10 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
                 mplan[path] = {"mode": "affine", **p}
                 config["quantization"][path] = mplan[path]
         mgen = Generator(seed + 1, dt, mplan, router_paths(mtp), hidden=config["hidden_size"], head_dim=_head_dim(config), config=config, cal=cal)
-        mwriter = ShardWriter(out, "mtp", 1 << 62)  # always one mtp.safetensors
+        mwriter = ShardWriter(out, "mtp", shard_bytes)
         for name, a in mgen.tensors(mtp):
             mwriter.add(name, a)
-        mwriter.finish()
+        mwriter.finish(one_file=True)  # always one mtp.safetensors
     if log:
         log("\n")
 

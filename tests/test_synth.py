@@ -137,6 +137,19 @@ def test_sharded_output_loads(tmp_path, monkeypatch):
     assert model(mx.array([[1, 2, 3]])).shape[-1] == model.args.vocab_size
 
 
+def test_mtp_parts_joined_into_one_file(tmp_path, monkeypatch, synth_model):
+    from infer import synth
+
+    monkeypatch.setattr(synth, "SHARD_BYTES", 100_000)
+    out = tmp_path / "next"
+    assert synth.main(["--arch", "qwen3_next", "--preset", "tiny", "--out", str(out)]) == 0
+    assert not list(out.glob("mtp-*")) and not list(out.glob(".*"))
+    a = mx.load(str(out / "mtp.safetensors"))
+    b = mx.load(str(synth_model("qwen3_next") / "mtp.safetensors"))
+    assert set(a) == set(b)
+    assert all(mx.array_equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize(
     "argv,msg",
     [
