@@ -522,9 +522,13 @@ def main(argv) -> int:
     if a.out is None:
         return fail("--out DIR is required")
     try:
-        synth_presets.make_config(a.arch, a.preset, a.layers)
+        config = synth_presets.make_config(a.arch, a.preset, a.layers)
     except ValueError as e:
         return fail(str(e))
+    interval = config.get("full_attention_interval")
+    if a.arch == "qwen3_next" and config["num_hidden_layers"] < interval:
+        # mlx-lm's Qwen3-Next needs at least one full-attention layer
+        return fail(f"qwen3_next needs --layers >= {interval} (one full-attention layer every {interval})")
     out = a.out
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not a.force:
         return fail(f"{out} exists and is not empty (use --force to replace it)")

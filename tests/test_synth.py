@@ -160,6 +160,7 @@ def test_mtp_parts_joined_into_one_file(tmp_path, monkeypatch, synth_model):
         (["--arch", "qwen3_moe", "--preset", "tiny", "--dtype", "float16"], "unknown dtype"),
         (["--arch", "mixtral", "--preset", "qwen3-30b-a3b"], "is a qwen3_moe model"),
         (["--preset", "tiny"], "--arch is required"),
+        (["--arch", "qwen3_next", "--preset", "tiny", "--layers", "2"], "needs --layers >= 4"),
     ],
 )
 def test_refusals(argv, msg, tmp_path, capsys):
