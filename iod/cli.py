@@ -39,6 +39,9 @@ def _parser():
     st.add_argument("--slot-size", type=parse_size, default=0,
                     help="slot size (default: the first model's largest record stride)")
     st.add_argument("--workers", type=int, default=4, help="reader threads")
+    st.add_argument("--hashers", type=int, default=2,
+                    help="checksum threads, so readers go straight to the next read "
+                         "(0: each reader checks its own reads)")
     st.add_argument("--read-rate", type=float, default=0.0,
                     help="MB/s cap on reads: emulates a slower device for benchmarks")
     st.add_argument("--max-sessions", type=int, default=64)
@@ -101,7 +104,8 @@ def start_foreground(args, sock: Path) -> int:
         if swept:
             print(f"iod: removed stale shared memory {', '.join(swept)}", file=sys.stderr)
         cfg = Config(socket=sock, arena_size=args.arena, slot_size=args.slot_size,
-                     workers=max(args.workers, 1), read_rate=args.read_rate * 1e6,
+                     workers=max(args.workers, 1), hashers=max(args.hashers, 0),
+                     read_rate=args.read_rate * 1e6,
                      max_sessions=args.max_sessions, max_pins=args.max_pins,
                      max_queued=args.max_queued, faults=os.environ.get("IOD_FAULTS", ""),
                      prefault=not args.no_prefault)
@@ -199,6 +203,7 @@ def start_detached(args, sock: Path) -> int:
         print(f"iod: already running (pid {pid})", file=sys.stderr)
         return 1
     extra = ["--arena", str(args.arena), "--workers", str(args.workers),
+             "--hashers", str(args.hashers),
              "--read-rate", str(args.read_rate), "--max-sessions", str(args.max_sessions),
              "--max-pins", str(args.max_pins), "--max-queued", str(args.max_queued)]
     if args.slot_size:

@@ -128,12 +128,18 @@ class Job:
 
 
 class ReaderPool:
-    def __init__(self, workers: int, wake_fd: int, read_rate: float = 0.0, faults: Faults = None):
+    """``workers`` threads read; with ``hashers`` > 0 the checksum is left to
+    that many other threads, so a reader starts its next read at once and the
+    device queue stays ``workers`` deep."""
+
+    def __init__(self, workers: int, wake_fd: int, read_rate: float = 0.0, faults: Faults = None,
+                 hashers: int = 0):
         # (class, seq, job): a demand submitted later still starts before
         # prefetches that were handed over but not started
         self.jobs = queue.PriorityQueue()
         self.seq = 0
         self.done = queue.SimpleQueue()
+        self.to_hash = queue.SimpleQueue()
         self.wake_fd = wake_fd
         self.bucket = TokenBucket(read_rate) if read_rate > 0 else None
         self.faults = faults or Faults()
@@ -141,7 +147,11 @@ class ReaderPool:
             threading.Thread(target=self._run, name=f"iod-reader-{i}", daemon=True)
             for i in range(workers)
         ]
-        for t in self.threads:
+        self.hashers = [
+            threading.Thread(target=self._run_hasher, name=f"iod-hasher-{i}", daemon=True)
+            for i in range(hashers)
+        ]
+        for t in self.threads + self.hashers:
             t.start()
 
     def submit(self, job: Job, cls: int = 0) -> None:
@@ -155,6 +165,17 @@ class ReaderPool:
             self.jobs.put((99, self.seq, None))
         for t in self.threads:
             t.join()
+        for _ in self.hashers:
+            self.to_hash.put(None)
+        for t in self.hashers:
+            t.join()
+
+    def _finish(self, job: Job) -> None:
+        self.done.put(job)
+        try:
+            os.write(self.wake_fd, b"r")
+        except BlockingIOError:
+            pass  # the pipe is full, so the main loop is awake anyway
 
     def _run(self) -> None:
         while True:
@@ -163,13 +184,25 @@ class ReaderPool:
                 return
             try:
                 self._read(job)
+                if job.error is None and self.hashers:
+                    self.to_hash.put(job)
+                    continue
+                if job.error is None:
+                    self._verify(job)
             except Exception as e:  # never lose a job: the main thread must hear back
                 job.error = ("INTERNAL", f"reader: {type(e).__name__}: {e}")
-            self.done.put(job)
+            self._finish(job)
+
+    def _run_hasher(self) -> None:
+        while True:
+            job = self.to_hash.get()
+            if job is None:
+                return
             try:
-                os.write(self.wake_fd, b"r")
-            except BlockingIOError:
-                pass  # the pipe is full, so the main loop is awake anyway
+                self._verify(job)
+            except Exception as e:
+                job.error = ("INTERNAL", f"hasher: {type(e).__name__}: {e}")
+            self._finish(job)
 
     def _read(self, job: Job) -> None:
         if self.bucket:
@@ -188,14 +221,14 @@ class ReaderPool:
             job.read_end = time.monotonic_ns()
             job.error = ("IO_ERROR", f"read failed: {os.strerror(e.errno or errno.EIO)}")
             return
+        job.read_end = time.monotonic_ns()
         job.got = n
         if n < job.record_bytes:
-            job.read_end = time.monotonic_ns()
             job.error = ("IO_ERROR", f"short read: {n} of {job.record_bytes} bytes")
-            return
-        if f.take("corrupt", job.layer, job.expert):
+
+    def _verify(self, job: Job) -> None:
+        if self.faults.take("corrupt", job.layer, job.expert):
             job.dest[0] ^= 0xFF
         ok = record_checksum(job.layer, job.expert, job.dest[: job.record_bytes]) == job.checksum
-        job.read_end = time.monotonic_ns()
         if not ok:
             job.error = ("CHECKSUM", "record checksum mismatch")

@@ -44,6 +44,7 @@ class Config:
     arena_size: int = 512 << 20
     slot_size: int = 0
     workers: int = 4
+    hashers: int = 2  # threads for checksums (0: each reader checks its own reads)
     read_rate: float = 0.0  # bytes/s, 0 = unlimited (benchmark emulation)
     max_sessions: int = 64
     max_pins: int = 4096  # per session, also capped by the arena's slot count
@@ -195,7 +196,7 @@ class Daemon:
         for fd in (self.wake_r, self.wake_w, self.sig_r, self.sig_w):
             os.set_blocking(fd, False)
         self.pool = reader_mod.ReaderPool(
-            cfg.workers, self.wake_w, cfg.read_rate, reader_mod.Faults(cfg.faults))
+            cfg.workers, self.wake_w, cfg.read_rate, reader_mod.Faults(cfg.faults), cfg.hashers)
         self.ctx = zmq.Context(1)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES * 2)

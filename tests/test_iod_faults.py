@@ -125,3 +125,23 @@ def test_handler_bug_answers_internal_and_daemon_lives(model):
         assert "injected handler fault" in d.logtext()
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("hashers", [0, 1])
+def test_checks_in_readers_or_hashers(model, hashers):
+    from infer.client import IodClient, IodError
+
+    d = LiveDaemon(args=["--arena", "16M", "--hashers", str(hashers)],
+                   env={"IOD_FAULTS": "corrupt:0:1:2,corrupt:0:2:1"})
+    try:
+        with IodClient(model, iod=str(d.socket)) as c:
+            with pytest.raises(IodError) as e:
+                c.fetch(0, [1])
+            assert e.value.code == E.CHECKSUM
+            v = c.fetch(0, [1, 2, 3])  # 2 is read twice: the retry is clean
+            m = Manifest.load(model)
+            assert all(bytes(v[x]) == record_bytes(model, m.layer(0), x) for x in v)
+            del v
+            assert c.stats()["counters"]["retries"] == 2
+    finally:
+        assert d.stop() == 0
