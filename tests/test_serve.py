@@ -157,7 +157,8 @@ def test_two_servers_share_the_daemon_and_sigterm_ends_one_cleanly(live, referen
         # (give or take a prefetch that one of them cancelled before its read)
         assert st["counters"]["reads"] - reads <= mine["misses"] < mine["hits"]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        rc = proc.wait(timeout=30)
+        assert rc == 0, proc.stderr.read()[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
