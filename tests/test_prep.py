@@ -257,3 +257,61 @@ def test_peak_rss_bounded(tmp_path, monkeypatch):
     # fixed overhead (python + mlx + mlx-lm imports, ~80 MB) + one layer
     assert peak_mb < 100 + layer_mb, (peak_mb, layer_mb, experts_mb)
     print(f"prep peak RSS {peak_mb:.0f} MB for {experts_mb:.0f} MB of experts ({layer_mb:.0f} MB per layer)")
+
+
+def test_interrupted_run_leaves_only_whole_files_and_resumes(tmp_path, synth_model, monkeypatch, capsys):
+    from infer import prep as prep_mod
+
+    src = synth_model("qwen3_moe")
+    out = tmp_path / "out"
+    real = prep_mod.write_blob
+    calls = []
+
+    def failing(dst, el, progress, *a, **kw):
+        calls.append(el.layout.layer)
+        if len(calls) == 3:
+            # die halfway through the third blob's temporary file
+            (dst / (el.layout.file + ".tmp")).write_bytes(b"partial")
+            raise KeyboardInterrupt
+        return real(dst, el, progress, *a, **kw)
+
+    monkeypatch.setattr(prep_mod, "write_blob", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prep_mod.prep(src, out, progress=False)
+    assert not (out / "manifest.json").exists()
+    assert sorted(p.name for p in out.glob("layer*.blob")) == ["layer000.blob", "layer001.blob"]
+    partial = json.loads((out / "manifest.partial.json").read_text())
+    assert [l["layer"] for l in partial["layers"]] == [0, 1]
+    monkeypatch.setattr(prep_mod, "write_blob", real)
+    # the leftover .tmp is the failing writer's own doing here; a real write_blob removes its tmp
+    (out / "layer002.blob.tmp").unlink()
+    assert prep_main(["--model", str(src), "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert "(2 kept by --resume)" in capsys.readouterr().out
+    assert verify_main_ok(out)
+
+
+def verify_main_ok(folder):
+    from infer.verify import main as verify_main
+
+    return verify_main([str(folder)]) == 0
+
+
+def test_write_blob_removes_its_tmp_on_failure(tmp_path, synth_model, monkeypatch):
+    from infer import prep as prep_mod
+    from infer import prep_safetensors
+
+    src = synth_model("mixtral")
+    layers, _, _ = prep_mod.plan(src, json.loads((src / "config.json").read_text()))
+    calls = []
+
+    def boom(*a, **kw):
+        calls.append(1)
+        if len(calls) > 5:
+            raise OSError("disk on fire")
+        return real_read(*a, **kw)
+
+    real_read = prep_safetensors.read_bytes
+    monkeypatch.setattr(prep_safetensors, "read_bytes", boom)
+    with pytest.raises(OSError):
+        prep_mod.write_blob(tmp_path, layers[0], prep_mod.Progress(1, False))
+    assert list(tmp_path.iterdir()) == []
