@@ -333,6 +333,8 @@ def worker(args) -> dict:
                 client = IodClient(args.model, iod=str(daemon[2]))
             store.source = client
             read0 = _daemon_bytes(client)
+        if mode in ("sync", "inproc"):
+            read0 = store.source.bytes_read
         if store is not None:
             reset_store(store)
         if args.wait_go and r == 0:
@@ -343,6 +345,8 @@ def worker(args) -> dict:
             run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
             run["trace"] = store.trace
             run["prediction"] = store.prediction_stats()
+        if mode in ("sync", "inproc"):
+            daemon_read.append(store.source.bytes_read - read0)
         if client is not None:
             daemon_read.append(_daemon_bytes(client) - read0)
             if daemon is not None:
@@ -394,7 +398,9 @@ def worker(args) -> dict:
         "trace_calls": len(last["trace"]),
     })
     if daemon_read:
-        result["daemon_bytes_read"] = daemon_read[-1]
+        # everything read from disk, prefetches that were never used included
+        result["disk_bytes_read"] = daemon_read[-1]
+        result["disk_bytes_read_per_token"] = daemon_read[-1] / max(args.max_tokens, 1)
     return result
 
 

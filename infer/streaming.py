@@ -133,6 +133,9 @@ class ExpertStore:
     the ones not cached.
     """
 
+    MIN_PRECISION = 0.25  # of guesses, for prefetch to go on (see prefetch_pays)
+    PREFETCH_WARMUP = 256  # guesses scored before the precision decides
+
     def __init__(self, manifest, source, cache_bytes, depth=2):
         self.manifest = manifest
         self.source = source
@@ -183,10 +186,21 @@ class ExpertStore:
                 # a prefill-sized call: its next layers need most experts
                 # anyway, and pinning them all ahead would crowd out demand
                 continue
+            if not self.prefetch_pays(d):
+                continue  # still scored: prefetch resumes if guesses improve
             stack = self.stack(layer)
             missing = [e for e in sorted(wanted) if e not in stack]
             if missing:
                 self._call("prefetch", layer, missing)
+
+    def prefetch_pays(self, depth):
+        """Whether guesses at ``depth`` are right often enough to be read
+        ahead: a wrong guess costs a read (and, when reads are the bottleneck,
+        a demand read's turn), a right one saves a stall. Measured, not
+        assumed: prefetch runs until ``PREFETCH_WARMUP`` guesses are scored,
+        then only while their precision is at least ``MIN_PRECISION``."""
+        tp, predicted, _ = self.prediction[depth]
+        return predicted < self.PREFETCH_WARMUP or tp >= self.MIN_PRECISION * predicted
 
     def _score(self, layer, actual):
         for d, guess in self._predicted.pop(layer, {}).items():
