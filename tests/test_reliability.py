@@ -265,8 +265,13 @@ def check_session_crash(src, prep, rounds=20, seed=0, infer_every=10, n_tokens=2
             assert victim.pid in {s["pid"] for s in stats(sock)["sessions"]}
             t0 = time.monotonic()
             victim.send_signal(signal.SIGKILL)
-            wait_for(lambda: victim.pid not in {s["pid"] for s in stats(sock)["sessions"]},
-                     timeout=30, what="the killed session dropped")
+            poll = Raw(sock)  # STATS every ~2 ms until the session is gone
+            try:
+                while victim.pid in {s["pid"] for s in poll.rt(P.Stats(poll.req()), 30).stats["sessions"]}:
+                    assert time.monotonic() - t0 < 30, "the killed session was never dropped"
+                    time.sleep(0.002)
+            finally:
+                poll.close()
             reclaim_ms.append((time.monotonic() - t0) * 1e3)
             victim.wait()
             victim = None
@@ -748,6 +753,11 @@ KNOWN_BUGS = {
     # HELLO with pid >= 2**31: os.kill overflows in iod/server.py _pid_alive
     "hello_pid_overflow": ("_pid_alive", "OverflowError"),
 }
+# Also (no INTERNAL, a race): iod/server.py serve() drains the ROUTER before the
+# socket monitor, so a request that arrives in the same wake-up as its
+# connection's ACCEPTED event is answered before the peer-uid check shuts the
+# connection: another uid can get a STATS reply ("foreign_stats_race",
+# counted in check_other_users' figures; HELLO stays refused).
 
 
 def known_bug(traceback_text):
@@ -950,7 +960,38 @@ def check_other_users(model):
         os.chmod(d.socket, 0o666)
         before = stats(d.socket)["counters"].get("refused_peers", 0)
         behind_socket = as_user(uid, gid, attempts)  # only the peer-uid check is left
+        raced = behind_socket.pop("zmq_request")  # counted by the probe below
         assert all(v != "allowed" for v in behind_socket.values()), behind_socket
+
+        def probe(n=10):
+            """Connect and ask at once, n times: STATS (needs no session) and HELLO."""
+            out = {"attempts": n, "stats_answered": 0, "hello_answered": 0, "hello_ok": 0}
+            for i in range(2 * n):
+                ctx = zmq.Context()
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(f"ipc://{d.socket}")
+                if i % 2 == 0:
+                    s.send_multipart([bytes([int(P.MsgKind.STATS)]), _b({"req_id": 1})])
+                else:
+                    s.send_multipart([bytes([int(P.MsgKind.HELLO)]), _b(
+                        {"req_id": 2, "version": P.PROTOCOL_VERSION, "pid": os.getpid(),
+                         "model_dir": str(model)})])
+                if s.poll(500):
+                    kind = s.recv_multipart()[0][0]
+                    if i % 2 == 0:
+                        out["stats_answered"] += 1
+                    else:
+                        out["hello_answered"] += 1
+                        out["hello_ok"] += kind == int(P.MsgKind.HELLO_OK)
+                s.close()
+                ctx.term()
+            return out
+
+        race = as_user(uid, gid, probe)
+        race["first_zmq_request"] = raced
+        # never a session for another uid, whatever the timing
+        assert race["hello_ok"] == 0, race
         st = stats(d.socket)
         refused = st["counters"]["refused_peers"] - before
         assert refused >= 1, "the peer-uid check refused nobody"
@@ -961,7 +1002,9 @@ def check_other_users(model):
         return emit("other_users", {"user": OTHER_USER, "uid": uid, "modes": modes,
                                     "modes_in_place": closed, "dir_opened": behind_dir,
                                     "dir_and_socket_opened": behind_socket,
-                                    "refused_peers": refused})
+                                    "refused_peers": refused,
+                                    # known bug "foreign_stats_race": should be 0
+                                    "foreign_requests_answered": race})
     finally:
         d.stop()
         shutil.rmtree(d.folder, ignore_errors=True)
