@@ -5,6 +5,10 @@ record bytes with correct checksums; no real weights are involved.
 """
 
 import os
+import signal
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,12 +48,6 @@ def record_bytes(folder, layout, expert) -> bytes:
 
 
 # ---- live daemons for tests -------------------------------------------------------
-
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 
 
 def short_dir(prefix="iodt-") -> Path:
