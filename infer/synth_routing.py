@@ -40,16 +40,18 @@ class _Recorder(nn.Module):
         return self.inner(x, indices)
 
 
-def install_recorders(model) -> Dict[str, List[np.ndarray]]:
+def install_recorders(model, paths=None) -> Dict[str, List[np.ndarray]]:
+    """Wrap the expert modules (SwitchGLU/SwitchMLP, or the given ``paths``)."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
+    mods = dict(model.named_modules())
+    if paths is None:
+        paths = [p for p, m in mods.items() if isinstance(m, (SwitchGLU, SwitchMLP))]
     sinks = {}
-    for path, m in list(model.named_modules()):
-        if isinstance(m, (SwitchGLU, SwitchMLP)):
-            parent_path, _, name = path.rpartition(".")
-            parent = dict(model.named_modules())[parent_path]
-            sinks[path] = []
-            setattr(parent, name, _Recorder(m, sinks[path]))
+    for path in paths:
+        parent_path, _, name = path.rpartition(".")
+        sinks[path] = []
+        setattr(mods[parent_path], name, _Recorder(mods[path], sinks[path]))
     return sinks
 
 
@@ -95,18 +97,21 @@ def fixed_tokens(tokenizer, n: int) -> List[int]:
     return ids[:n]
 
 
-def route(model, tokens: List[int], chunk: int = 256) -> List[LayerStats]:
-    """Feed ``tokens`` (causally, with a KV cache) and collect per-layer stats."""
+def route(model, tokens: List[int], chunk: int = 256, experts: Dict[str, int] = None) -> List[LayerStats]:
+    """Feed ``tokens`` (causally, with a KV cache) and collect per-layer stats.
+    ``experts``: module path -> number of experts, for models whose expert
+    modules are not mlx-lm's (a prep folder's streaming ones)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     modules = {p: m for p, m in model.named_modules()}
-    sinks = install_recorders(model)
+    sinks = install_recorders(model, list(experts) if experts else None)
     cache = make_prompt_cache(model)
     for i in range(0, len(tokens), chunk):
         mx.eval(model(mx.array([tokens[i : i + chunk]]), cache=cache))
     out = []
     for path, sink in sorted(sinks.items(), key=lambda ps: _order(ps[0])):
-        out.append(layer_stats(path, num_experts_of(modules[path]), np.concatenate(sink)))
+        n = experts[path] if experts else num_experts_of(modules[path])
+        out.append(layer_stats(path, n, np.concatenate(sink)))
     return out
 
 
@@ -142,18 +147,21 @@ def report_main(folder: Path, n_tokens: int) -> int:
     if not (folder / "config.json").is_file():
         print(f"infer synth: {folder} is not a model folder", file=sys.stderr)
         return 2
-    if (folder / "manifest.json").is_file():
-        print(
-            f"infer synth: {folder} is a prep folder; run the routing report on its source model",
-            file=sys.stderr,
-        )
-        return 2
+    experts = None
     try:
-        model, tokenizer = mlx_lm.load(str(folder))
+        if (folder / "manifest.json").is_file():
+            # a prep folder: experts read from its blobs, in this process
+            from .loader import load_streaming
+            from .sources import SyncSource
+
+            model, tokenizer, store = load_streaming(folder, SyncSource(folder))
+            experts = {l.module: l.num_experts for l in store.manifest.layers if not l.module.startswith("mtp.")}
+        else:
+            model, tokenizer = mlx_lm.load(str(folder))
     except Exception as e:  # mlx-lm raises many kinds
-        print(f"infer synth: cannot load {folder} with mlx_lm ({e})", file=sys.stderr)
+        print(f"infer synth: cannot load {folder} ({e})", file=sys.stderr)
         return 2
-    stats = route(model, fixed_tokens(tokenizer, n_tokens))
+    stats = route(model, fixed_tokens(tokenizer, n_tokens), experts=experts)
     if not stats:
         print(f"infer synth: {folder} has no MoE layers", file=sys.stderr)
         return 2

@@ -218,7 +218,10 @@ def test_routing_report_cli(synth_model, prep_model, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 5 and lines[0].startswith("model.layers.0.block_sparse_moe.switch_mlp")
     assert "LRU(4) hit" in lines[0] and lines[-1].startswith("mean over 4 layers")
-    assert synth_main(["--routing-report", str(prep_model("mixtral"))]) == 2
+    # a prep folder routes the same, its experts read from the blobs
+    assert synth_main(["--routing-report", str(prep_model("mixtral")), "--tokens", "256"]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == lines
+    assert synth_main(["--routing-report", "/nonexistent"]) == 2
     assert capsys.readouterr().err.startswith("infer synth: ")
 
 
