@@ -214,12 +214,14 @@ def test_routing_is_realistic(arch, synth_model):
 
 
 def test_routing_report_cli(synth_model, prep_model, capsys):
-    assert synth_main(["--routing-report", str(synth_model("mixtral")), "--tokens", "256"]) == 0
+    src, dst = synth_model("mixtral"), prep_model("mixtral")
+    capsys.readouterr()
+    assert synth_main(["--routing-report", str(src), "--tokens", "256"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 5 and lines[0].startswith("model.layers.0.block_sparse_moe.switch_mlp")
     assert "LRU(4) hit" in lines[0] and lines[-1].startswith("mean over 4 layers")
     # a prep folder routes the same, its experts read from the blobs
-    assert synth_main(["--routing-report", str(prep_model("mixtral")), "--tokens", "256"]) == 0
+    assert synth_main(["--routing-report", str(dst), "--tokens", "256"]) == 0
     assert capsys.readouterr().out.strip().splitlines() == lines
     assert synth_main(["--routing-report", "/nonexistent"]) == 2
     assert capsys.readouterr().err.startswith("infer synth: ")
