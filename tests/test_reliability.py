@@ -537,7 +537,7 @@ def check_disk_errors(model, rounds=3, waiters=3):
             rules.append(f"{kind}:{lay.layer}:{e}:1")
             targets.append((kind, e))
     assert len(targets) <= lay.num_experts
-    d = LiveDaemon(args=["--arena", "16M", "--workers", "2", "--read-rate", "2"],
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "2", "--read-rate", "1"],
                    env={"IOD_FAULTS": ",".join(rules)})
     raws = []
     try:
