@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                                                        seed=args.seed),
         "daemon_crash": lambda: R.check_daemon_crash(src, prep, kill_points=kill_points),
         "corruption": lambda: R.check_corruption(src, prep, tempfile.mkdtemp(dir=work)),
-        "disk_errors": lambda: {**R.check_disk_errors(fake, rounds=args.disk_rounds),
+        "disk_errors": lambda: {**R.check_disk_errors(work, rounds=args.disk_rounds),
                                 "session": R.check_disk_error_session(src, prep)},
         "hostile": lambda: R.check_hostile(fake, messages=args.messages, seed=args.seed),
         "other_users": lambda: R.check_other_users(fake),

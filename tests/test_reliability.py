@@ -525,27 +525,40 @@ def _slot_bytes(daemon, hello, ref):
         return f.read(ref[3])
 
 
-def check_disk_errors(model, rounds=3, waiters=3):
+BLOCKERS = 10  # records read ahead of each faulted one (3 MB: 0.5 s past the burst)
+
+
+def check_disk_errors(workdir, rounds=3, waiters=3):
     """``rounds`` records per kind fail (eio, short); each has ``waiters``
-    sessions waiting on it (demand ACQUIREs and one PREFETCH)."""
-    m = Manifest.load(model)
-    lay = m.layers[-1]  # the largest records: the read is slow enough to attach to
+    sessions waiting on it (demand ACQUIREs and one PREFETCH).
+
+    So that every waiter surely attaches to the failing read, the first one
+    asks for BLOCKERS records never read before just ahead of it (same
+    session: FIFO), at a 2 MB/s emulated read rate (a burst of 2 MB is
+    allowed): the faulted read starts ≥ 0.5 s after the requests are sent.
+    The daemon's ``coalesced`` counter proves the attach."""
+    n_faults = 2 * rounds
+    model = Path(workdir) / "diskfaults"
+    make_prep(model, records=(300_000,), num_experts=n_faults * (1 + BLOCKERS), seed=4)
+    lay = Manifest.load(model).layers[0]
     rules, targets = [], []
     for i in range(rounds):
         for kind in ("eio", "short"):
             e = len(targets)
             rules.append(f"{kind}:{lay.layer}:{e}:1")
             targets.append((kind, e))
-    assert len(targets) <= lay.num_experts
-    d = LiveDaemon(args=["--arena", "16M", "--workers", "2", "--read-rate", "1"],
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "2", "--read-rate", "2"],
                    env={"IOD_FAULTS": ",".join(rules)})
     raws = []
     try:
         raws = [Raw(d.socket) for _ in range(waiters)]
         hellos = [r.hello(model) for r in raws]
-        typed = 0
+        typed = attached = 0
         for kind, e in targets:
-            # the first waiter starts the read; the others attach while it runs
+            blockers = list(range(n_faults + e * BLOCKERS, n_faults + (e + 1) * BLOCKERS))
+            before = stats(d.socket)["counters"]["coalesced"]
+            r0, h0 = raws[0], hellos[0]
+            r0.send(P.Acquire(2000 + e, h0.model_id, lay.layer, blockers, True))
             for i, (r, h) in enumerate(zip(raws, hellos)):
                 if i == waiters - 1:
                     assert r.rt(P.Prefetch(r.req(), h.model_id, lay.layer, [e])).count == 1
@@ -553,32 +566,37 @@ def check_disk_errors(model, rounds=3, waiters=3):
                     r.send(P.Acquire(1000 + e, h.model_id, lay.layer, [e], True))
             for i, r in enumerate(raws):
                 if i == waiters - 1:
-                    note = r.recv(30)
+                    note = r.recv(60)
                     while not isinstance(note, P.PrefetchFailed):
-                        note = r.recv(30)
+                        note = r.recv(60)
                     got = (note.code, note.layer, note.expert)
                 else:
-                    err = r.until(1000 + e, 30)
-                    assert isinstance(err, P.Error), err
+                    err = r.until(1000 + e, 60)
+                    assert isinstance(err, P.Error), (kind, e, i, err)
                     assert f"layer {lay.layer} expert {e}" in err.message, err.message
                     got = (err.code, err.layer, err.expert)
                 assert got == (E.IO_ERROR, lay.layer, e), (kind, i, got)
                 typed += 1
+            attached += stats(d.socket)["counters"]["coalesced"] - before
+            ok = r0.until(2000 + e, 60)
+            assert isinstance(ok, P.AcquireOk), ok
+            r0.rt(P.Release(r0.req(), [ref[1:3] for ref in ok.slots]))
             assert d.proc.poll() is None
             # the next read of the record works and holds the file's bytes
-            r, h = raws[0], hellos[0]
-            ok = r.rt(P.Acquire(r.req(), h.model_id, lay.layer, [e], True), 30)
+            ok = r0.rt(P.Acquire(r0.req(), h0.model_id, lay.layer, [e], True), 60)
             assert isinstance(ok, P.AcquireOk), ok
-            assert _slot_bytes(d, h, ok.slots[0]) == record_bytes(model, lay, e)
-            r.rt(P.Release(r.req(), [ok.slots[0][1:3]]))
+            assert _slot_bytes(d, h0, ok.slots[0]) == record_bytes(model, lay, e)
+            r0.rt(P.Release(r0.req(), [ok.slots[0][1:3]]))
         st = stats(d.socket)
         c = st["counters"]
-        assert c["internal_errors"] == 0 and c["read_errors"] >= len(targets)
-        assert all(s["queued"] == 0 for s in st["sessions"])
+        assert attached == len(targets) * (waiters - 1), f"only {attached} waiters attached"
+        assert c["internal_errors"] == 0 and c["read_errors"] == len(targets)
+        assert all(s["queued"] == 0 and s["pins"] == 0 for s in st["sessions"]), st["sessions"]
         for r in raws:
             r.rt(P.Bye(r.req()))
         return emit("disk_errors", {"faults": len(targets), "kinds": ["eio", "short"],
-                                    "waiters_per_fault": waiters, "typed_errors": typed,
+                                    "waiters_per_fault": waiters, "attached": attached,
+                                    "typed_errors": typed,
                                     "missing_errors": len(targets) * waiters - typed,
                                     "reread_ok": len(targets), "daemon_alive": True,
                                     "read_errors": c["read_errors"]})
@@ -587,6 +605,7 @@ def check_disk_errors(model, rounds=3, waiters=3):
             r.close()
         d.stop()
         shutil.rmtree(d.folder, ignore_errors=True)
+        shutil.rmtree(model, ignore_errors=True)
 
 
 def check_disk_error_session(src, prep):
@@ -1136,8 +1155,8 @@ def test_corruption(tiny, tmp_path):
     check_corruption(*tiny, tmp_path)
 
 
-def test_disk_errors(fake, tiny):
-    figures = check_disk_errors(fake, rounds=2)
+def test_disk_errors(tiny, tmp_path):
+    figures = check_disk_errors(tmp_path, rounds=2)
     emit("disk_errors_session", check_disk_error_session(*tiny))
     assert figures["missing_errors"] == 0
 
