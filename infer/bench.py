@@ -174,6 +174,7 @@ def reset_store(store):
     store.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
     store.prediction = [[0, 0, 0] for _ in range(store.depth + 1)]
     store._predicted = {}
+    store._gate = [[0.0, 0.0] for _ in range(store.depth + 1)]
     store.trace = []
 
 
@@ -313,7 +314,6 @@ def worker(args) -> dict:
         depth = 0 if mode == "sync" else args.depth
         model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
         store.depth = depth
-        store.prediction = [[0, 0, 0] for _ in range(depth + 1)]
 
     from .run import encode_prompt
 

@@ -134,7 +134,8 @@ class ExpertStore:
     """
 
     MIN_PRECISION = 0.25  # of guesses, for prefetch to go on (see prefetch_pays)
-    PREFETCH_WARMUP = 256  # guesses scored before the precision decides
+    PREFETCH_WARMUP = 64  # guessed experts scored before the precision decides
+    GATE_DECAY = 0.99  # per scored guess set: the gate follows the last ~100
 
     def __init__(self, manifest, source, cache_bytes, depth=2):
         self.manifest = manifest
@@ -150,7 +151,11 @@ class ExpertStore:
         self.profiler = None  # an infer.profile.Profiler: per-layer spans
         # per depth: [true positives, predicted, actual]
         self.prediction = [[0, 0, 0] for _ in range(depth + 1)]
-        self._predicted = {}  # layer -> {depth: set of experts}
+        self._predicted = {}  # layer -> {depth: (set of experts, prefetchable)}
+        # per depth: decayed [right, guessed] of prefetchable (decode-sized)
+        # guesses, which decide whether prefetch pays (prefill's are left out:
+        # guessing most of a layer is always right and says nothing)
+        self._gate = [[0.0, 0.0] for _ in range(depth + 1)]
 
     def stack(self, layer):
         if layer not in self.stacks:
@@ -181,10 +186,11 @@ class ExpertStore:
     def prefetch(self, guesses):
         for layer, d, ids in guesses:
             wanted = set(np.unique(np.array(ids)).tolist())
-            self._predicted.setdefault(layer, {})[d] = wanted
-            if len(wanted) > 2 * self.routers[layer][1]:
-                # a prefill-sized call: its next layers need most experts
-                # anyway, and pinning them all ahead would crowd out demand
+            # a prefill-sized call: its next layers need most experts anyway,
+            # and pinning them all ahead would crowd out demand
+            small = len(wanted) <= 2 * self.routers[layer][1]
+            self._predicted.setdefault(layer, {})[d] = (wanted, small)
+            if not small:
                 continue
             if not self.prefetch_pays(d):
                 continue  # still scored: prefetch resumes if guesses improve
@@ -198,16 +204,24 @@ class ExpertStore:
         ahead: a wrong guess costs a read (and, when reads are the bottleneck,
         a demand read's turn), a right one saves a stall. Measured, not
         assumed: prefetch runs until ``PREFETCH_WARMUP`` guesses are scored,
-        then only while their precision is at least ``MIN_PRECISION``."""
-        tp, predicted, _ = self.prediction[depth]
-        return predicted < self.PREFETCH_WARMUP or tp >= self.MIN_PRECISION * predicted
+        then only while their recent precision (decode-sized guesses, decayed
+        by ``GATE_DECAY`` per guess) is at least ``MIN_PRECISION``."""
+        if depth >= len(self._gate):
+            return True
+        right, guessed = self._gate[depth]
+        return guessed < self.PREFETCH_WARMUP or right >= self.MIN_PRECISION * guessed
 
     def _score(self, layer, actual):
-        for d, guess in self._predicted.pop(layer, {}).items():
+        for d, (guess, small) in self._predicted.pop(layer, {}).items():
             row = self.prediction[d]
-            row[0] += len(guess & actual)
+            right = len(guess & actual)
+            row[0] += right
             row[1] += len(guess)
             row[2] += len(actual)
+            if small and d < len(self._gate):
+                g = self._gate[d]
+                g[0] = g[0] * self.GATE_DECAY + right
+                g[1] = g[1] * self.GATE_DECAY + len(guess)
 
     def prediction_stats(self):
         """Recall and precision of the prediction, per depth."""
@@ -336,7 +350,15 @@ class StreamingExperts(nn.Module):
             setattr(getattr(self._inner, proj), tensor, arr)
         lut = np.zeros(self._layout.num_experts, dtype=np.uint32)
         lut[unique] = positions
-        return self._inner(x, mx.array(lut[ids]))
+        y = self._inner(x, mx.array(lut[ids]))
+        stack = store.stacks[self._layout.layer]
+        if arrays is not stack.arrays:
+            # a temporary compact stack: the graph of y holds it until y is
+            # evaluated; the module must not keep it alive until the layer's
+            # next call (one per layer adds up to several layers' experts)
+            for key, arr in stack.arrays.items():
+                setattr(getattr(self._inner, key[0]), key[1], arr)
+        return y
 
 
 def _resolve(model, path):
