@@ -66,7 +66,13 @@ class LiveDaemon:
         e = dict(os.environ)
         e.update(env or {})
         self.log = self.folder / "iod.log"
-        self.proc, self.pid = spawn(self.socket, list(args), log=self.log, env=e)
+        # the daemon watches this pipe: if the test process dies, so does it
+        r, self._parent_w = os.pipe()
+        try:
+            self.proc, self.pid = spawn(self.socket, list(args), log=self.log, env=e,
+                                        parent_fd=r)
+        finally:
+            os.close(r)
 
     def shm_name(self) -> str:
         return (self.folder / "arena.name").read_text().strip()
@@ -74,11 +80,19 @@ class LiveDaemon:
     def stop(self, timeout=10) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        rc = self.proc.wait(timeout)
+        self._close_pipe()
+        return rc
+
+    def _close_pipe(self):
+        if self._parent_w is not None:
+            os.close(self._parent_w)
+            self._parent_w = None
 
     def kill(self):
         self.proc.kill()
         self.proc.wait()
+        self._close_pipe()
 
     def logtext(self) -> str:
         try:

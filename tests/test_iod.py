@@ -255,19 +255,22 @@ def test_killed_client_releases_pins_others_unaffected(daemon, model):
 
 def test_stop_lets_reads_in_flight_finish(model):
     d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "0.25"])
-    r = Raw(d.socket)
-    h = r.hello(model)
-    r.send(P.Acquire(5, h.model_id, 2, [3], True))  # ~1.2 s at 0.25 MB/s
-    probe = Raw(d.socket)
-    wait_for(lambda: probe.rt(P.Stats(probe.req())).stats["inflight_reads"] == 1,
-             what="read started")
-    probe.close()
-    d.proc.terminate()
-    first, second = r.recv(), r.recv()
-    assert isinstance(first, P.AcquireOk) and first.req_id == 5
-    assert isinstance(second, P.Shutdown)
-    assert d.proc.wait(10) == 0
-    assert not shm_entries(d.pid) and not d.socket.exists()
+    try:
+        r = Raw(d.socket)
+        h = r.hello(model)
+        r.send(P.Acquire(5, h.model_id, 2, [3], True))  # ~1.2 s at 0.25 MB/s
+        probe = Raw(d.socket)
+        wait_for(lambda: probe.rt(P.Stats(probe.req())).stats["inflight_reads"] == 1,
+                 what="read started")
+        probe.close()
+        d.proc.terminate()
+        first, second = r.recv(), r.recv()
+        assert isinstance(first, P.AcquireOk) and first.req_id == 5
+        assert isinstance(second, P.Shutdown)
+        assert d.proc.wait(10) == 0
+        assert not shm_entries(d.pid) and not d.socket.exists()
+    finally:
+        d.stop()
 
 
 def test_parse_size():
