@@ -319,3 +319,33 @@ def test_sliding_window_wrap_stays_exact(prep_model):
     source.close()
     assert out == ref
     assert stats.no_rollback_passes > 0
+
+
+def test_cli_draft_ngram_same_ids_through_iod(prep_model):
+    """`infer run --draft ngram` through the embedded daemon: the ids of
+    `--draft none`, and the draft figures in the JSON stats."""
+    import json
+    import os
+    import shutil
+
+    from tests.iod_fixtures import short_dir
+
+    prep = prep_model("qwen3_next")
+    folder = short_dir("iods-")
+    env = dict(os.environ, IOD_RUN_DIR=str(folder))
+    outs = {}
+    try:
+        for draft in ("none", "ngram"):
+            r = subprocess.run(
+                [sys.executable, "-m", "infer.cli", "run", "--model", str(prep), "--draft", draft,
+                 "--num-draft", "3", "--max-tokens", "40", "--json",
+                 "--prompt", "Write a list of colors: red, green, blue"],
+                capture_output=True, text=True, timeout=180, env=env,
+            )
+            assert r.returncode == 0, r.stderr
+            outs[draft] = json.loads(r.stdout)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert outs["ngram"]["tokens"] == outs["none"]["tokens"]
+    d = outs["ngram"]["stats"]["draft"]
+    assert d["kind"] == "ngram" and d["exact"] is True and d["k"] == 3
