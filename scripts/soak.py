@@ -59,13 +59,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=20.0, help="requests/s per load session")
     ap.add_argument("--no-ratio", action="store_true", help="report the load p99 ratio, don't assert it")
     ap.add_argument("--disk-rounds", type=int, default=8, help="eio + short faults each")
+    ap.add_argument("--probes", type=int, default=20,
+                    help="other users: connect-and-ask attempts per request kind")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", help="keep models here (default: a temporary folder)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.kill_points, args.messages = 20, "8", 5000
         args.load_seconds, args.base_seconds, args.disk_rounds = 10.0, 6.0, 2
-        args.no_ratio = True
+        args.no_ratio, args.probes = True, 5
     only = [c.strip() for c in args.only.split(",") if c.strip()]
     bad = set(only) - set(CHECKS)
     if bad:
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
         "disk_errors": lambda: {**R.check_disk_errors(work, rounds=args.disk_rounds),
                                 "session": R.check_disk_error_session(src, prep)},
         "hostile": lambda: R.check_hostile(fake, messages=args.messages, seed=args.seed),
-        "other_users": lambda: R.check_other_users(fake),
+        "other_users": lambda: R.check_other_users(fake, probes=args.probes),
         "load": lambda: R.check_load(fake, seconds=args.load_seconds,
                                      base_seconds=args.base_seconds, sessions=args.sessions,
                                      rate=args.rate, seed=args.seed,
