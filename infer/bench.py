@@ -489,8 +489,8 @@ def run_sessions(args, tmp, shared: bool) -> dict:
             _stop_daemon(d)
     return {"bytes_read": bytes_read,
             "decode_tok_s": [r["decode_tok_s"] for r in results],
-            "tokens_equal": all(r["tokens"] == results[0]["tokens"] for r in results),
-            "peak_rss_iod": 0}
+            "stall_fraction": [r["stall_fraction"] for r in results],
+            "tokens_equal": all(r["tokens"] == results[0]["tokens"] for r in results)}
 
 
 def _fmt(v, spec):

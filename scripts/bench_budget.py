@@ -36,11 +36,22 @@ def status(pid):
 
 
 def children(pid):
+    """The session's daemon children. A child between fork and exec shows the
+    parent's pages as its own (copy-on-write, not new memory): skip it."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
+            pids = [int(x) for x in f.read().split()]
     except OSError:
         return []
+    out = []
+    for c in pids:
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"iod.cli" in f.read():
+                    out.append(c)
+        except OSError:
+            pass
+    return out
 
 
 def measure(model, budget, max_tokens, prompt):
