@@ -21,11 +21,12 @@ Two verify modes:
   so it is not exact by construction (see docs/speculative.md for the measured
   mismatch rate).
 
-Rollback: attention KV caches are trimmed; the Gated-DeltaNet conv and
-recurrent state (``ArraysCache``, not trimmable) is restored from the
-per-token snapshot taken during the exact verify, or, in batched mode, from
-the snapshot before the pass, with the accepted tokens fed again at the head
-of the next pass.
+Rollback: attention KV caches are trimmed; caches that cannot be trimmed
+(the Gated-DeltaNet conv and recurrent state in ``ArraysCache``, sliding-window
+ring buffers) record their state after every update during a verify and are
+put back to the one after the last accepted token (exact verify), or, after a
+batched pass, to the state before it, with the accepted tokens fed again at
+the start of the next pass.
 """
 
 import threading
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from .ngram import NgramDrafter
 
@@ -42,86 +43,111 @@ DRAFTS = ("none", "ngram", "mtp", "auto")
 
 
 class _RecordingArraysCache(ArraysCache):
-    """ArraysCache that keeps its state after each advance while recording."""
+    """ArraysCache that keeps its state after each advance while recording.
+    Its arrays are replaced, never written in place, so references suffice."""
 
     history = None
+
+    def snapshot(self):
+        return list(self.cache)
+
+    def restore(self, snap):
+        self.cache = list(snap)
 
     def advance(self, N):
         super().advance(N)
         if self.history is not None:
-            self.history.append((N, list(self.cache)))
+            self.history.append((N, self.snapshot()))
+
+
+class _RecordingRotatingKVCache(RotatingKVCache):
+    """Sliding-window cache that keeps its state after each update while
+    recording. Its ring buffer is written in place, so a snapshot holds its
+    own array objects (MLX then copies on the next write, not before)."""
+
+    history = None
+
+    def snapshot(self):
+        if self.keys is None:
+            return (None, None, self.offset, self._idx)
+        return (mx.array(self.keys), mx.array(self.values), self.offset, self._idx)
+
+    def restore(self, snap):
+        k, v, self.offset, self._idx = snap
+        self.keys = None if k is None else mx.array(k)
+        self.values = None if v is None else mx.array(v)
+
+    def update_and_fetch(self, keys, values):
+        out = super().update_and_fetch(keys, values)
+        if self.history is not None:
+            self.history.append((keys.shape[2], self.snapshot()))
+        return out
+
+
+_RECORDING = {ArraysCache: _RecordingArraysCache, RotatingKVCache: _RecordingRotatingKVCache}
 
 
 def make_cache(model):
-    """The model's prompt cache, with recurrent caches that can be rolled back."""
+    """The model's prompt cache, with caches that cannot be trimmed (recurrent
+    state, sliding windows) made able to record their states."""
     cache = make_prompt_cache(model)
     for c in cache:
-        if type(c) is ArraysCache:
-            c.__class__ = _RecordingArraysCache
+        if type(c) in _RECORDING:
+            c.__class__ = _RECORDING[type(c)]
     return cache
 
 
+def _recording(c):
+    return hasattr(c, "snapshot")
+
+
 def can_roll_back(cache, n):
-    """Whether every cache can be taken back after ``n`` more tokens. A
-    sliding-window cache can until its ring buffer wraps."""
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            continue
-        if getattr(c, "max_size", None):
-            if c.offset + n >= c.max_size:
-                return False
-        elif not c.is_trimmable():
-            return False
-    return True
+    """Whether every cache can be taken back after ``n`` more tokens."""
+    return all(_recording(c) or c.is_trimmable() for c in cache)
 
 
 class CacheCheckpoint:
-    """The cache state before a pass, and the way back to any token of it."""
+    """The cache state before a pass, and the way back to any token of it.
+
+    Trimmable caches are trimmed; the others record their state after every
+    update during the pass and are put back to the one after the kept tokens.
+    """
 
     def __init__(self, cache):
         self.cache = cache
-        self.offsets = [None if isinstance(c, ArraysCache) else c.offset for c in cache]
-        self.arrays = {}
+        self.offsets = [None if _recording(c) else c.offset for c in cache]
+        self.snaps = {}
         for i, c in enumerate(cache):
-            if isinstance(c, ArraysCache):
-                self.arrays[i] = list(c.cache)
+            if _recording(c):
+                self.snaps[i] = c.snapshot()
                 c.history = []
 
     def stop(self):
-        for i in self.arrays:
+        for i in self.snaps:
             self.cache[i].history = None
 
     def rollback(self, keep):
         """Keep the first ``keep`` tokens fed since the checkpoint.
 
-        Returns False when a recurrent state cannot be placed after exactly
+        Returns False when a recorded state cannot be placed after exactly
         ``keep`` tokens (a batched pass); the cache is then back at the
         checkpoint and the caller feeds the kept tokens again.
         """
-        exact = True
-        for i, c in enumerate(self.cache):
-            if i not in self.arrays:
-                continue
-            steps, done = list(c.history or []), 0
-            c.history = None
-            if keep == 0:
-                c.cache = list(self.arrays[i])
-                continue
-            for n, state in steps:
+        found = {}
+        for i in self.snaps:
+            done = 0
+            for n, snap in self.cache[i].history or []:
                 done += n
                 if done == keep:
-                    c.cache = list(state)
+                    found[i] = snap
                     break
-            else:
-                exact = False
+        exact = keep == 0 or len(found) == len(self.snaps)
         for i, c in enumerate(self.cache):
-            if self.offsets[i] is not None:
-                target = self.offsets[i] + (keep if exact else 0)
-                c.trim(c.offset - target)
-        if not exact:
-            for i, c in enumerate(self.cache):
-                if i in self.arrays:
-                    c.cache = list(self.arrays[i])
+            if i in self.snaps:
+                c.restore(found[i] if exact and keep else self.snaps[i])
+                c.history = None
+            else:
+                c.trim(c.offset - (self.offsets[i] + (keep if exact else 0)))
         return exact
 
 
