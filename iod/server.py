@@ -14,8 +14,6 @@ raises answers INTERNAL and the daemon carries on.
 
 import os
 import signal
-import socket
-import struct
 import sys
 import time
 from collections import deque
@@ -198,7 +196,13 @@ class Daemon:
         self.pool = reader_mod.ReaderPool(
             cfg.workers, self.wake_w, cfg.read_rate, reader_mod.Faults(cfg.faults), cfg.hashers)
         self.ctx = zmq.Context(1)
+        # peer check: libzmq asks this ZAP handler about every new connection
+        # before any of its messages pass (ipc peers come with uid and pid)
+        self.zap = self.ctx.socket(zmq.REP)
+        self.zap.setsockopt(zmq.LINGER, 0)
+        self.zap.bind("inproc://zeromq.zap.01")
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ZAP_DOMAIN, b"iod")
         self.sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES * 2)
         # bounded per peer: a session that stops reading loses messages, not our memory
         self.sock.setsockopt(zmq.SNDHWM, 20_000)
@@ -214,12 +218,8 @@ class Daemon:
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.wake_r, zmq.POLLIN)
         self.poller.register(self.sig_r, zmq.POLLIN)
-        self.peers = {}  # accepted connection fd -> (pid, uid) from SO_PEERCRED
-        self.monitor = None
-        if hasattr(socket, "SO_PEERCRED"):  # Linux: check who connects
-            self.monitor = self.sock.get_monitor_socket(
-                zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-            self.poller.register(self.monitor, zmq.POLLIN)
+        self.poller.register(self.zap, zmq.POLLIN)
+        self.peer_pid = 0  # of the connection the message being handled came on
         if self.parent_fd is not None:
             self.poller.register(self.parent_fd, zmq.POLLIN)
         for s in (signal.SIGTERM, signal.SIGINT):
@@ -243,8 +243,8 @@ class Daemon:
                 self._drain_completions()
             if self.sig_r in events:
                 _drain_fd(self.sig_r)
-            if self.monitor is not None and self.monitor in events:
-                self._drain_monitor()
+            if self.zap in events:
+                self._drain_zap()
             if self.parent_fd is not None and self.parent_fd in events:
                 if not os.read(self.parent_fd, 4096):
                     self.stopping = "parent exited"
@@ -257,30 +257,24 @@ class Daemon:
             self._pump()
         self.shutdown(self.stopping)
 
-    def _drain_monitor(self):
-        """Peer check on connect: a connection from another uid is shut down
-        at once; the others' pids are kept, so HELLO's pid can be checked."""
-        from zmq.utils.monitor import parse_monitor_message
-
+    def _drain_zap(self):
+        """Admit or refuse new connections: another uid's is refused before
+        any of its messages pass; admitted ones carry their pid as User-Id."""
         while True:
             try:
-                ev = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+                req = self.zap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            fd = ev["value"]
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
-                self.peers.pop(fd, None)
-                continue
-            cred = _peer_cred(fd)
-            if cred is None:
-                continue
-            if cred[1] != os.getuid():
+            cred = _zap_peer(req[3] if len(req) > 3 else b"")
+            rid = req[1] if len(req) > 1 else b""
+            if cred is not None and cred[0] != os.getuid():
                 self.c["refused_peers"] += 1
-                _shutdown_fd(fd)
-                print(f"iod: refused a connection from uid {cred[1]} (pid {cred[0]})",
+                print(f"iod: refused a connection from uid {cred[0]} (pid {cred[2]})",
                       file=sys.stderr, flush=True)
+                self.zap.send_multipart([b"1.0", rid, b"400", b"another user", b"", b""])
             else:
-                self.peers[fd] = cred
+                user = str(cred[2]).encode() if cred is not None else b""
+                self.zap.send_multipart([b"1.0", rid, b"200", b"OK", user, b""])
 
     def _timeout_ms(self):
         if any(s.pidfd is None for s in self.sessions.values()):
@@ -295,12 +289,16 @@ class Daemon:
     def _drain_socket(self):
         for _ in range(1000):  # bounded, so completions are not starved
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             received = time.monotonic_ns()
             self.c["requests"] += 1
-            self._handle(frames, received)
+            try:  # set by _drain_zap when the connection was admitted
+                self.peer_pid = int(frames[-1].get("User-Id") or 0)
+            except (zmq.ZMQError, ValueError):
+                self.peer_pid = 0
+            self._handle([f.bytes for f in frames], received)
 
     def _handle(self, frames, received):
         ident, body = frames[0], frames[1:]
@@ -368,10 +366,9 @@ class Daemon:
             raise Failure(E.BAD_MESSAGE, f"pid {m.pid} is not a live process")
         if not _same_user(m.pid):
             raise Failure(E.PERMISSION, f"pid {m.pid} belongs to another user")
-        if self.monitor is not None:
-            self._drain_monitor()
-            if all(pid != m.pid for pid, _ in self.peers.values()):
-                raise Failure(E.PERMISSION, f"pid {m.pid} is not a process connected to iod")
+        if self.peer_pid and m.pid != self.peer_pid:
+            raise Failure(E.PERMISSION, f"pid {m.pid} is not the process connected "
+                          f"(pid {self.peer_pid})")
         model = self._model(m.model_dir)
         if not self.arena.laid_out:
             try:
@@ -849,10 +846,8 @@ class Daemon:
             self._send(s.ident, P.Shutdown(f"iod stopping: {reason}"))
             self.end_session(s, "shutdown")
         try:
-            if self.monitor is not None:
-                self.sock.disable_monitor()
-                self.monitor.close(linger=0)
             self.sock.close(linger=500)
+            self.zap.close(linger=0)
             self.ctx.term()
         except zmq.ZMQError as e:  # still remove what we own below
             print(f"iod: closing the socket: {e}", file=sys.stderr, flush=True)
@@ -891,25 +886,16 @@ def _same_user(pid) -> bool:
         return True  # no /proc (macOS): the 0700 run dir and 0600 socket guard
 
 
-def _peer_cred(fd):
-    """(pid, uid) of the process at the other end of a unix socket fd, or None."""
-    try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            if s.family != socket.AF_UNIX:
-                return None
-            pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                           struct.calcsize("3i")))
-            return pid, uid
-    except OSError:
+def _zap_peer(address: bytes):
+    """(uid, gid, pid) from a ZAP request's address for an ipc peer, which
+    libzmq fills from SO_PEERCRED as "host:uid:gid:pid"; None when absent."""
+    parts = address.decode(errors="replace").split(":")
+    if len(parts) != 4:
         return None
-
-
-def _shutdown_fd(fd):
     try:
-        with socket.socket(fileno=os.dup(fd)) as s:
-            s.shutdown(socket.SHUT_RDWR)  # the connection itself: libzmq sees EOF
-    except OSError:
-        pass
+        return int(parts[1]), int(parts[2]), int(parts[3])
+    except ValueError:
+        return None
 
 
 def _guess_req_id(body) -> int:

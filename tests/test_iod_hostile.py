@@ -161,7 +161,7 @@ def test_hello_pid_must_be_the_connected_process(model):
     try:
         r = Raw(d.socket)
         err = r.hello(model, pid=d.pid)  # a live process of ours, but not the one connected
-        assert err.code == E.PERMISSION and "not a process connected" in err.message
+        assert err.code == E.PERMISSION and "not the process connected" in err.message
         assert isinstance(r.hello(model), P.HelloOk)
     finally:
         d.stop()
