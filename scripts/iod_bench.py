@@ -253,6 +253,9 @@ def main(argv=None) -> int:
     finally:
         proc.terminate()
         proc.wait(30)
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -5,6 +5,7 @@ record bytes with correct checksums; no real weights are involved.
 """
 
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -61,6 +62,7 @@ class LiveDaemon:
     def __init__(self, folder=None, args=(), env=None):
         from iod.cli import spawn
 
+        self.owns_folder = folder is None  # then stop() removes it
         self.folder = Path(folder or short_dir())
         self.socket = self.folder / "iod.sock"
         e = dict(os.environ)
@@ -82,6 +84,8 @@ class LiveDaemon:
             self.proc.send_signal(signal.SIGTERM)
         rc = self.proc.wait(timeout)
         self._close_pipe()
+        if self.owns_folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
         return rc
 
     def _close_pipe(self):

@@ -22,9 +22,12 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def run_dir(monkeypatch):
+    import shutil
+
     d = short_dir()
     monkeypatch.setenv("IOD_RUN_DIR", str(d))
-    return d
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _children():

@@ -1,6 +1,7 @@
 """The iod daemon, spawned as its own process, driven over its real socket."""
 
 import os
+import shutil
 
 import pytest
 
@@ -122,6 +123,7 @@ def test_restart_after_sigkill_leaves_nothing_stale(model):
         assert d2.stop() == 0
     assert not shm_entries(d2.pid)
     assert sorted(p.name for p in d.folder.iterdir()) == ["iod.log"]
+    shutil.rmtree(d.folder)
 
 
 def test_cli_start_status_stop(model, tmp_path):
@@ -145,6 +147,7 @@ def test_cli_start_status_stop(model, tmp_path):
     assert sorted(x.name for x in folder.iterdir()) == ["iod.log"]
     p, _ = _run_cli("status", "--socket", str(sock))
     assert p.returncode != 0 and "not running" in p.stderr
+    shutil.rmtree(folder)
 
 
 def test_modes(daemon, model):
@@ -173,6 +176,7 @@ def test_default_run_dir_is_created_0700(model, monkeypatch):
         assert paths.socket_path().exists()
     finally:
         assert _run_cli("stop")[0].returncode == 0
+        shutil.rmtree(base)
 
 
 # ---- sharing, coalescing, leases ---------------------------------------------------
