@@ -114,8 +114,11 @@ def main(argv=None) -> int:
             failed += 1
             last = dict(R.LAST.get(name, {}))
             last.pop("check", None)
+            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                      for f in traceback.extract_tb(e.__traceback__)
+                      if Path(f.filename).parent.name in ("tests", "scripts")]
             line.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], **last,
-                        where=traceback.format_exc().strip().splitlines()[-3][:300])
+                        where=frames[-5:])
         line["elapsed_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(line), flush=True)
     if not args.workdir:
