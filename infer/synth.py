@@ -58,7 +58,8 @@ class Calibration:
 CALIBRATION = {
     "qwen3_moe": {"qk_gain": 2.2},
     ("qwen3_moe", "small"): {"qk_gain": 2.4},
-    ("qwen3_moe", "qwen3-30b-a3b"): {"qk_gain": 2.4},  # as small; not measured (too big here)
+    # measured on a 4-layer proxy (64-wide experts, 512 tokens): 0.9 -> 65%, 1.2 -> 46%
+    ("qwen3_moe", "qwen3-30b-a3b"): {"qk_gain": 1.05},
     "qwen3_next": {},
     "mixtral": {"qk_gain": 1.2},
     "gpt_oss": {"qk_gain": 0.95},
