@@ -41,15 +41,27 @@ def _bytes_ok(model, daemon, hello, reply, layer):
             assert f.read(ref[3]) == record_bytes(model, m.layer(layer), ref[0])
 
 
+# layer-2 records no other test reads: queued ahead of the faulty one
+FILLERS = [0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+
+
 def test_eio_then_next_read_works(daemon, model):
     a, b = Raw(daemon.socket), Raw(daemon.socket)
     ha, hb = a.hello(model), b.hello(model)
+    # ~4 MB at 2 MB/s queued first in a's own queue: the faulty read of
+    # expert 3 cannot start before b's request has attached to it, however
+    # loaded the machine is
+    a.send(P.Acquire(10, ha.model_id, 2, FILLERS, True))
     a.send(P.Acquire(1, ha.model_id, 2, [3, 4], True))
     b.send(P.Acquire(2, hb.model_id, 2, [3], True))
-    ea, eb = a.until(1), b.until(2)
+    ea, eb = a.until(1, timeout=30), b.until(2, timeout=30)
     for err in (ea, eb):  # every waiter of the record hears of it
         assert isinstance(err, P.Error) and err.code == E.IO_ERROR
         assert (err.layer, err.expert) == (2, 3) and "layer 2 expert 3" in err.message
+    early = [m for m in a.notes if getattr(m, "req_id", None) == 10]
+    fillers = early[0] if early else a.until(10, timeout=30)
+    assert isinstance(fillers, P.AcquireOk)
+    assert isinstance(a.rt(P.Release(11, [[r[1], r[2]] for r in fillers.slots])), P.Ok)
     ok = a.rt(P.Acquire(3, ha.model_id, 2, [3, 4], True))
     assert isinstance(ok, P.AcquireOk)
     _bytes_ok(model, daemon, ha, ok, 2)
