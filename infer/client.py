@@ -23,6 +23,7 @@ from pathlib import Path
 import zmq
 
 import native
+from iod.runtime import pid_alive
 from shared import codec, paths
 from shared import protocol as P
 from shared import slots as S
@@ -306,7 +307,7 @@ class IodClient:
     def _alive(self) -> bool:
         if self._private is not None and self._private[0].poll() is not None:
             return False
-        if self.daemon_pid and not _pid_alive(self.daemon_pid):
+        if self.daemon_pid and not pid_alive(self.daemon_pid):
             return False
         return self.socket.exists()
 
@@ -570,12 +571,3 @@ def _lock_pid(sock: Path) -> int:
     except OSError:
         return 0
 
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

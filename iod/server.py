@@ -29,6 +29,7 @@ from shared.blob import Manifest, ManifestError, manifest_hash
 
 from . import arena as arena_mod
 from . import reader as reader_mod
+from .runtime import pid_alive
 from .stats import Latency
 
 DEMAND, PREFETCH = 0, 1
@@ -283,7 +284,7 @@ class Daemon:
 
     def _check_liveness(self):
         for s in list(self.sessions.values()):
-            if s.pidfd is None and not _pid_alive(s.pid):
+            if s.pidfd is None and not pid_alive(s.pid):
                 self.end_session(s, "process exited")
 
     def _drain_socket(self):
@@ -362,7 +363,7 @@ class Daemon:
         prior = self.by_ident.get(ident)  # a HELLO again replaces it, once valid
         if len(self.sessions) - (prior is not None) >= self.cfg.max_sessions:
             raise Failure(E.TOO_MANY_SESSIONS, f"{len(self.sessions)} sessions, the limit")
-        if m.pid <= 0 or not _pid_alive(m.pid):
+        if m.pid <= 0 or not pid_alive(m.pid):
             raise Failure(E.BAD_MESSAGE, f"pid {m.pid} is not a live process")
         if not _same_user(m.pid):
             raise Failure(E.PERMISSION, f"pid {m.pid} belongs to another user")
@@ -867,16 +868,6 @@ def _drain_fd(fd):
             pass
     except BlockingIOError:
         pass
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _same_user(pid) -> bool:
