@@ -395,25 +395,10 @@ def _head_dim(config):
 
 def mtp_module(config, args):
     """Qwen3-Next's multi-token-prediction head, named as in the HF checkpoint."""
-    from mlx_lm.models import qwen3_next
-
-    class MTP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            h = args.hidden_size
-            self.fc = nn.Linear(2 * h, h, bias=False)
-            self.norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
-            self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=args.rms_norm_eps)
-            self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=args.rms_norm_eps)
-            # A full-attention decoder layer with a sparse MoE block.
-            full = args.full_attention_interval - 1
-            self.layers = [
-                qwen3_next.Qwen3NextDecoderLayer(args, full)
-                for _ in range(config.get("mtp_num_hidden_layers", 1))
-            ]
+    from .mtp import MTPHead
 
     root = nn.Module()
-    root.mtp = MTP()
+    root.mtp = MTPHead(args, config.get("mtp_num_hidden_layers", 1))
     return root
 
 
