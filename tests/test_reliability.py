@@ -1097,6 +1097,7 @@ def check_load(model, seconds=10, base_seconds=5, sessions=8, rate=20.0, seed=0,
     d = LiveDaemon(args=["--arena", "16M"])
     try:
         single = _load_run(model, d.socket, 1, base_seconds, rate, seed)
+        lat_daemon1 = stats(d.socket)["latency_us"]
         rss0 = rss_kb(d.pid)
         many = _load_run(model, d.socket, sessions, seconds, rate, seed + 1)
         rss1 = rss_kb(d.pid)
@@ -1117,6 +1118,10 @@ def check_load(model, seconds=10, base_seconds=5, sessions=8, rate=20.0, seed=0,
                    "single_p50_us": round(pct(lat1, 50)), "single_p99_us": round(p99_1),
                    "p50_us": round(pct(latn, 50)), "p99_us": round(p99_n),
                    "p99_ratio": round(ratio, 2), "ratio_asserted": assert_ratio,
+                   # inside the daemon (request received -> reply sent) for reads:
+                   # after the single session, then over both phases (mostly the 8)
+                   "daemon_miss_p99_us": [lat_daemon1["miss"]["p99"],
+                                          st["latency_us"]["miss"]["p99"]],
                    "evictions": st["counters"]["evictions"], "reads": st["counters"]["reads"],
                    "rss_anon_mb": [round(rss0[0] / 1024, 1), round(rss1[0] / 1024, 1)],
                    "rss_growth_mb": round(growth_mb, 1)}
