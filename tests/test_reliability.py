@@ -769,8 +769,9 @@ def hostile_message(rnd, mid, model_dir):
 # Bugs found by these checks in code others own, not fixed yet: each is an
 # INTERNAL reply (the daemon lives) and is reported in the figures, not hidden.
 KNOWN_BUGS = {
-    # HELLO with pid >= 2**31: os.kill overflows in iod/server.py _pid_alive
-    "hello_pid_overflow": ("_pid_alive", "OverflowError"),
+    # HELLO with pid >= 2**31: os.kill overflows in pid_alive (iod/runtime.py,
+    # earlier iod/server.py _pid_alive)
+    "hello_pid_overflow": ("pid_alive", "os.kill(pid, 0)", "OverflowError"),
 }
 # (Fixed in e1aa1eb, peer check through ZAP: a foreign uid's first request
 # could be answered before the socket monitor's peer check shut the connection;
