@@ -493,6 +493,20 @@ def run_sessions(args, tmp, shared: bool) -> dict:
             "tokens_equal": all(r["tokens"] == results[0]["tokens"] for r in results)}
 
 
+def merge_rounds(rounds) -> dict:
+    """Sessions of several rounds: per session, the median over the rounds;
+    bytes read, the median round; every round's figures kept."""
+    med = statistics.median
+    n = len(rounds[0]["decode_tok_s"])
+    return {
+        "bytes_read": med(r["bytes_read"] for r in rounds),
+        "decode_tok_s": [med(r["decode_tok_s"][i] for r in rounds) for i in range(n)],
+        "stall_fraction": [med(r["stall_fraction"][i] for r in rounds) for i in range(n)],
+        "tokens_equal": all(r["tokens_equal"] for r in rounds),
+        "rounds": rounds,
+    }
+
+
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
@@ -578,11 +592,15 @@ def main(argv=None) -> int:
         if args.sessions > 0:
             print(f"infer bench: {args.sessions} sessions ...", file=sys.stderr, flush=True)
             try:
-                shared = run_sessions(args, tmp, shared=True)
-                private = run_sessions(args, tmp, shared=False)
+                # rounds alternate shared / private, like the modes' runs
+                rounds = {True: [], False: []}
+                for _ in range(max(args.runs, 1)):
+                    for setup in (True, False):
+                        rounds[setup].append(run_sessions(args, tmp, shared=setup))
             except RuntimeError as e:
                 print(f"infer bench: {e}", file=sys.stderr)
                 return 1
+            shared, private = merge_rounds(rounds[True]), merge_rounds(rounds[False])
             alone = report["modes"].get("iod", {}).get("decode_tok_s")
             report["sessions"] = {"n": args.sessions, "shared": shared, "private": private,
                                   "alone_decode_tok_s": alone}
