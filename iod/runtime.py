@@ -88,7 +88,7 @@ def pid_alive(pid: int) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process, or no such pid at all
         return False
     except PermissionError:
         return True
