@@ -130,7 +130,10 @@ class IodClient:
         self.socket = sock
         self.daemon_pid = pid if pid > 0 else 0
         self._watch(self.daemon_pid)
-        self._ctx = zmq.Context(1)
+        # the process-wide context: a client dropped without close() must not
+        # leave a private context for the garbage collector, whose term()
+        # blocks while the socket is still open
+        self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 200)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -243,7 +246,6 @@ class IodClient:
         """Drop the connection and mapping (not the private daemon)."""
         if self._sock is not None:
             self._sock.close(linger=0)
-            self._ctx.term()
             self._sock = self._ctx = None
         if self._pidfd is not None:
             os.close(self._pidfd)

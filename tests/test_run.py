@@ -176,3 +176,21 @@ def test_daemon_death_stops_session_quickly(prep_model, run_dir):
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
+
+
+def test_dropped_models_are_collected_without_hanging(prep_model, run_dir):
+    """A model dropped without closing its client is garbage-collected: its
+    socket and the process-wide ZeroMQ context never block the collector."""
+    code = (
+        "import gc, sys, infer\n"
+        "from mlx_lm import generate\n"
+        "for _ in range(3):\n"
+        "    model, tok = infer.load(sys.argv[1])\n"
+        "    generate(model, tok, 'hi', max_tokens=3)\n"
+        "    del model, tok\n"
+        "    gc.collect()\n"
+        "print('collected')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(prep_model("qwen3_moe"))],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "collected" in r.stdout, r.stderr[-2000:]
