@@ -19,20 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from infer.bench import proc_status  # noqa: E402
 from shared.units import format_size, parse_size  # noqa: E402
-
-
-def status(pid):
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def children(pid):
@@ -62,11 +50,11 @@ def measure(model, budget, max_tokens, prompt):
     peak_sum = peak_infer = peak_iod = 0
     hwm = {}
     while proc.poll() is None:
-        s = status(proc.pid)
+        s = proc_status(proc.pid)
         infer_b = s.get("RssAnon", 0) + s.get("RssFile", 0)
         iod_b = 0
         for c in children(proc.pid):
-            cs = status(c)
+            cs = proc_status(c)
             iod_b += cs.get("VmRSS", 0)
             hwm[c] = max(hwm.get(c, 0), cs.get("VmHWM", 0))
         peak_infer, peak_iod = max(peak_infer, infer_b), max(peak_iod, iod_b)

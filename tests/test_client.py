@@ -10,14 +10,7 @@ import pytest
 
 from infer.client import DaemonDead, IodClient, IodError
 from shared.blob import Manifest
-from tests.iod_fixtures import LiveDaemon, make_prep, record_bytes, shm_entries, short_dir, wait_for
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    make_prep(folder)
-    return folder
+from tests.iod_fixtures import LiveDaemon, record_bytes, shm_entries, short_dir, wait_for
 
 
 @pytest.fixture

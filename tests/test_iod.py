@@ -5,16 +5,9 @@ import shutil
 
 import pytest
 
-from tests.iod_fixtures import LiveDaemon, Raw, make_prep, record_bytes, shm_entries, wait_for
+from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, wait_for
 from shared import protocol as P
 from shared.blob import Manifest
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    make_prep(folder)
-    return folder
 
 
 @pytest.fixture

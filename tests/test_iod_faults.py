@@ -5,16 +5,9 @@ import pytest
 
 from shared import protocol as P
 from shared.blob import Manifest
-from tests.iod_fixtures import LiveDaemon, Raw, make_prep, record_bytes, shm_entries
+from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries
 
 E = P.ErrorCode
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    make_prep(folder)
-    return folder
 
 
 FAULTS = "eio:2:3:1,short:2:5:1,corrupt:1:2:1,corrupt:1:4:2,eio:0:9:1"

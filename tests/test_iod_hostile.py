@@ -7,16 +7,9 @@ import msgpack
 import pytest
 
 from shared import protocol as P
-from tests.iod_fixtures import LiveDaemon, Raw, make_prep, shm_entries
+from tests.iod_fixtures import LiveDaemon, Raw, shm_entries
 
 E = P.ErrorCode
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    make_prep(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -5,21 +5,13 @@ granted SlotRef is one pin, each released pair drops one."""
 
 import random
 
-import pytest
 
 from shared import protocol as P
 from shared.blob import Manifest
 from shared import slots as S
-from tests.iod_fixtures import LiveDaemon, Raw, make_prep, record_bytes, shm_entries
+from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries
 
 E = P.ErrorCode
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    make_prep(folder)
-    return folder
 
 
 def test_random_mix_no_leaks(model):

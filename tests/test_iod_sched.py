@@ -13,16 +13,9 @@ import native
 from iod.arena import Arena
 from shared import protocol as P
 from shared import slots as S
-from tests.iod_fixtures import LiveDaemon, Raw, make_prep
+from tests.iod_fixtures import LiveDaemon, Raw
 
 E = P.ErrorCode
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("model")
-    make_prep(folder)
-    return folder
 
 
 @pytest.fixture
