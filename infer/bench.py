@@ -246,7 +246,7 @@ def mem_available() -> int:
 def _start_daemon(arena, read_rate_mb, workers=4):
     """A daemon of the benchmark's own (private run dir), stopped by closing
     the returned pipe end. Returns (proc, pid, socket, folder, pipe w)."""
-    from iod.cli import spawn
+    from shared.launch import spawn
 
     folder = Path(tempfile.mkdtemp(prefix="iodb-", dir="/tmp"))
     sock = folder / "iod.sock"

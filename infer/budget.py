@@ -105,7 +105,7 @@ def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2) -> Me
 def shared_daemon_running() -> bool:
     """Whether the user's shared daemon (the default socket) is up, so that
     ``iod="auto"`` will attach to it rather than start a private one."""
-    from iod.runtime import lock_holder
+    from shared.launch import lock_holder
     from shared import paths
 
     sock = paths.socket_path()

@@ -23,7 +23,7 @@ from pathlib import Path
 import zmq
 
 import native
-from iod.runtime import pid_alive
+from shared.launch import ensure_run_dir, lock_holder, pid_alive, spawn
 from shared import codec, paths
 from shared import protocol as P
 from shared import slots as S
@@ -196,8 +196,6 @@ class IodClient:
         """A daemon of our own, in a private run dir, that dies with us."""
         base = paths.run_dir()
         try:
-            from iod.runtime import ensure_run_dir
-
             ensure_run_dir(base)
             _sweep_private_dirs(base)
             folder = Path(tempfile.mkdtemp(prefix="p", dir=base))
@@ -208,7 +206,6 @@ class IodClient:
             shutil.rmtree(folder, ignore_errors=True)
             folder = Path(tempfile.mkdtemp(prefix="iod-"))
             sock = folder / "iod.sock"
-        from iod.cli import spawn
 
         r, w = os.pipe()
         try:
@@ -553,8 +550,6 @@ class IodClient:
 def _sweep_private_dirs(base: Path, min_age_s: float = 60.0) -> None:
     """Remove private run dirs whose daemon is gone (a SIGKILLed client and
     daemon leave one behind); young ones may belong to a daemon starting now."""
-    from iod.runtime import lock_holder
-
     now = time.time()
     for d in base.glob("p*"):
         try:
@@ -566,8 +561,6 @@ def _sweep_private_dirs(base: Path, min_age_s: float = 60.0) -> None:
 
 
 def _lock_pid(sock: Path) -> int:
-    from iod.runtime import lock_holder
-
     try:
         return lock_holder(paths.lock_path(Path(sock).parent))
     except OSError:

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from mlx_lm.utils import _get_classes, load_config, load_model
+from mlx_lm.utils import _get_classes, load_model
 
 from shared.blob import Manifest, ManifestError
 

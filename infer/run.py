@@ -4,7 +4,6 @@ import argparse
 import json
 import resource
 import sys
-import time
 
 import mlx.core as mx
 from mlx_lm.generate import stream_generate

@@ -3,14 +3,13 @@
 import argparse
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from shared import paths
+from shared.launch import lock_holder, spawn
 
 from . import runtime
 
@@ -139,63 +138,11 @@ def _release_lock(folder, fd):
     os.close(fd)
 
 
-def spawn(sock: Path, extra=(), log=None, parent_fd=None, env=None):
-    """Start ``iod start --foreground`` as a child and wait until it is ready
-    while watching it. Returns (Popen, pid); raises RuntimeError with the
-    child's reason if it fails to start."""
-    r, w = os.pipe()
-    cmd = [sys.executable, "-m", "iod.cli", "start", "--foreground", "--socket", str(sock),
-           "--ready-fd", str(w), *extra]
-    fds = [w]
-    if parent_fd is not None:
-        cmd += ["--parent-fd", str(parent_fd)]
-        fds.append(parent_fd)
-    out = os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") if log \
-        else subprocess.DEVNULL
-    try:
-        proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=out if log else None, start_new_session=parent_fd is None,
-                                env=env)
-    finally:
-        os.close(w)
-        if log:
-            out.close()
-    try:
-        line = _read_line(r, proc, timeout=60.0)
-    finally:
-        os.close(r)
-    if line.startswith("READY"):
-        return proc, int(line.split()[1])
-    if proc.poll() is None and not line:
-        proc.kill()
-    proc.wait()
-    reason = line.removeprefix("ERROR ").strip() or f"daemon exited with status {proc.returncode}"
-    raise RuntimeError(reason)
-
-
-def _read_line(fd, proc, timeout) -> str:
-    """Read the child's one status line; EOF means it died (or closed the pipe)."""
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return ""
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
-            continue
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        buf += chunk
-    return buf.decode(errors="replace").split("\n")[0]
-
-
 def start_detached(args, sock: Path) -> int:
     folder = sock.parent
     try:
         runtime.ensure_run_dir(folder)
-        pid = runtime.lock_holder(paths.lock_path(folder))
+        pid = lock_holder(paths.lock_path(folder))
     except OSError as e:
         print(f"iod: {e}", file=sys.stderr)
         return 1
@@ -221,7 +168,7 @@ def start_detached(args, sock: Path) -> int:
 
 def stop(sock: Path, timeout: float) -> int:
     lock = paths.lock_path(sock.parent)
-    pid = runtime.lock_holder(lock)
+    pid = lock_holder(lock)
     if not pid:
         print("iod is not running", file=sys.stderr)
         return 1
@@ -230,7 +177,7 @@ def stop(sock: Path, timeout: float) -> int:
         return 1
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while runtime.lock_holder(lock) == pid:  # released as the daemon exits
+    while lock_holder(lock) == pid:  # released as the daemon exits
         if time.monotonic() > deadline:
             print(f"iod: pid {pid} did not stop within {timeout:g} s", file=sys.stderr)
             return 1
@@ -262,7 +209,7 @@ def request(sock: Path, msg, timeout: float):
 def status(sock: Path, timeout: float, as_json: bool) -> int:
     from shared import protocol as P
 
-    if not runtime.lock_holder(paths.lock_path(sock.parent)):
+    if not lock_holder(paths.lock_path(sock.parent)):
         print("iod is not running", file=sys.stderr)
         return 1
     try:

@@ -7,53 +7,17 @@ spawns anything, so a second start is refused quickly.
 import errno
 import fcntl
 import os
-import stat
 import sys
 from pathlib import Path
 
 from shared import paths
+from shared.launch import ensure_run_dir, pid_alive, read_pid  # noqa: F401
 
 
 class AlreadyRunning(RuntimeError):
     def __init__(self, pid):
         super().__init__(f"already running (pid {pid})")
         self.pid = pid
-
-
-def ensure_run_dir(folder: Path) -> Path:
-    """Create the run dir with mode 0700; refuse one owned by someone else."""
-    folder = Path(folder)
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = folder.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"run dir {folder} belongs to uid {st.st_uid}, not {os.getuid()}")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(folder, 0o700)
-    return folder
-
-
-def read_pid(lock_file: Path) -> int:
-    try:
-        return int(Path(lock_file).read_text().strip() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def lock_holder(lock_file: Path) -> int:
-    """The pid of the daemon holding the lock, or 0 when nobody holds it."""
-    try:
-        fd = os.open(lock_file, os.O_RDONLY)
-    except FileNotFoundError:
-        return 0
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return read_pid(lock_file) or -1
-        raise
-    finally:
-        os.close(fd)
-    return 0
 
 
 def take_lock(lock_file: Path) -> int:
@@ -81,18 +45,6 @@ def take_lock(lock_file: Path) -> int:
     os.write(fd, f"{os.getpid()}\n".encode())
     os.fchmod(fd, 0o600)
     return fd
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # no such process, or no such pid at all
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_stale(folder: Path, sock: Path, unlink) -> list:

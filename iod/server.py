@@ -29,7 +29,7 @@ from shared.blob import Manifest, ManifestError, manifest_hash
 
 from . import arena as arena_mod
 from . import reader as reader_mod
-from .runtime import pid_alive
+from shared.launch import pid_alive
 from .stats import Latency
 
 DEMAND, PREFETCH = 0, 1

@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from infer.client import IodClient
-    from iod.cli import spawn
+    from shared.launch import spawn
     from tests.iod_fixtures import Raw, short_dir
 
     t = time.perf_counter()

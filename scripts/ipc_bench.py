@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from iod.cli import spawn
+    from shared.launch import spawn
 
     work = Path(tempfile.mkdtemp(prefix="ipcb-", dir=args.dir or "/tmp"))
     try:

@@ -60,7 +60,7 @@ class LiveDaemon:
     """``iod start --foreground`` as a child process, ready when constructed."""
 
     def __init__(self, folder=None, args=(), env=None):
-        from iod.cli import spawn
+        from shared.launch import spawn
 
         self.owns_folder = folder is None  # then stop() removes it
         self.folder = Path(folder or short_dir())

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import mlx.core as mx
 import pytest
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
