@@ -13,6 +13,23 @@ import pytest
 _lock = threading.Lock()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_run_dir(tmp_path_factory):
+    """Every test's default run dir is the test session's own: no test sees a
+    daemon the user (or another test run on this machine) has running."""
+    import os
+
+    folder = tmp_path_factory.mktemp("run")
+    folder.chmod(0o700)
+    old = os.environ.get("IOD_RUN_DIR")
+    os.environ["IOD_RUN_DIR"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("IOD_RUN_DIR", None)
+    else:
+        os.environ["IOD_RUN_DIR"] = old
+
+
 def _key(arch, quant, dtype, preset, kw):
     if quant is None:
         quant = "mxfp4" if arch == "gpt_oss" else "affine4"
