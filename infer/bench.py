@@ -7,8 +7,10 @@ Modes, each measured in a fresh subprocess so that its peak memory is its own:
   model's ``sanitize`` step adds every expert record, stacked per tensor
   under the expert module's name, so mlx-lm quantizes and loads it exactly
   as it would the source model (skipped when it does not fit in memory);
-- ``sync``: streaming, each missed expert read when it is demanded;
-- ``inproc``: streaming with prediction and reader threads in the process;
+- ``sync``: streaming, each missed expert read when it is demanded, one at a
+  time (the daemon's core in this process, one reader, no prediction);
+- ``inproc``: streaming with prediction, the daemon's core and its reader
+  threads in this process (``iod.inproc``);
 - ``iod``: streaming with prediction through a private iod daemon.
 
 Decode steps follow a fixed text (teacher forcing) unless ``--free-run``;
@@ -189,6 +191,7 @@ def load_resident(model_dir):
     from mlx_lm.utils import _get_classes, load_model
 
     from shared.blob import NUMPY_DTYPES, Manifest
+
     from .streaming import _MX_DTYPES
 
     model_dir = Path(model_dir)
@@ -303,23 +306,16 @@ def worker(args) -> dict:
         store = None
     else:
         from .loader import load_streaming
-        from .sources import SyncSource, ThreadedSource
 
-        if mode == "sync":
-            source = SyncSource(args.model, read_rate=rate)
-        elif mode == "inproc":
-            source = ThreadedSource(args.model, read_rate=rate)
-        else:
-            source = None
         depth = 0 if mode == "sync" else args.depth
-        model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
+        model, tokenizer, store = load_streaming(args.model, None, cache_bytes)
         store.depth = depth
 
     from .run import encode_prompt
 
     prompt_ids = encode_prompt(tokenizer, args.prompt)
     follow = None if args.free_run else forced_ids(tokenizer, args.max_tokens)
-    arena = args.arena or staging_arena_bytes(manifest, args.depth)
+    arena = parse_size(args.arena) if args.arena else staging_arena_bytes(manifest, args.depth)
     runs, daemon_peak, daemon_read = [], 0, []
     for r in range(args.runs):
         daemon = client = None
@@ -334,7 +330,11 @@ def worker(args) -> dict:
             store.source = client
             read0 = _daemon_bytes(client)
         if mode in ("sync", "inproc"):
-            read0 = store.source.bytes_read
+            from iod.inproc import InprocSource
+
+            store.source = InprocSource(args.model, arena=arena, read_rate=rate,
+                                        workers=1 if mode == "sync" else 4)
+            read0 = 0
         if store is not None:
             reset_store(store)
         if args.wait_go and r == 0:
@@ -347,6 +347,7 @@ def worker(args) -> dict:
             run["prediction"] = store.prediction_stats()
         if mode in ("sync", "inproc"):
             daemon_read.append(store.source.bytes_read - read0)
+            store.source.close()
         if client is not None:
             daemon_read.append(_daemon_bytes(client) - read0)
             if daemon is not None:
@@ -356,8 +357,6 @@ def worker(args) -> dict:
             _stop_daemon(daemon)
         runs.append(run)
         mx.clear_cache()
-    if store is not None and mode != "iod":
-        store.source.close()
 
     last = runs[-1]
     for run in runs:

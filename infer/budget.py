@@ -59,7 +59,8 @@ def resident_bytes(model_dir) -> int:
     return sum(os.path.getsize(f) for f in files)
 
 
-def _top_k(model_dir) -> int:
+def top_k(model_dir) -> int:
+    """Experts each token is routed to (the model's top-k)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     config = {**config.get("text_config", {}), **config}
     return int(config.get("num_experts_per_tok") or config.get("moe_topk") or 8)
@@ -86,11 +87,11 @@ def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2) -> Me
     """The cache size that keeps the session within ``budget``, or ValueError
     naming the minimum budget. With ``private_daemon`` the budget also holds
     the daemon the session starts and its staging arena."""
-    top_k = _top_k(model_dir)
-    plan = MemoryPlan(budget, resident_bytes(model_dir), working_bytes(manifest, top_k),
+    k = top_k(model_dir)
+    plan = MemoryPlan(budget, resident_bytes(model_dir), working_bytes(manifest, k),
                       RUNTIME_OVERHEAD, 0)
     if private_daemon:
-        plan.arena_bytes = staging_arena_bytes(manifest, depth, top_k)
+        plan.arena_bytes = staging_arena_bytes(manifest, depth, k)
         plan.daemon_bytes = DAEMON_OVERHEAD
     if budget < plan.minimum:
         raise ValueError(

@@ -1,20 +1,27 @@
 """The iod client: one session of the expert IO daemon, with no threads.
 
-``IodClient`` says HELLO, maps the daemon's arena read-only, and hands the
-caller read-only views of expert records that stay pinned in the arena until
-``release``. Prefetches are fire-and-forget; their READY notifications are
-consumed whenever the client next touches the socket, so a ``fetch`` of
-prefetched experts costs no round trip.
+``IodClient`` says HELLO, maps the daemon's arena read-only and its own row
+of the pin table read-write, and serves ``shared.source.ExpertSource``:
+records ready in the arena are pinned and copied with no message; a layer
+call's other records go in one DEMAND; prefetches are fire-and-forget hints.
+
+Every wait has a bound: while it waits for a reply the client watches the
+daemon's heartbeat word in the arena. A daemon whose loop stops turning
+(stopped, wedged) for ``timeout`` seconds is declared dead; one whose loop
+turns but completes no read for ``progress_timeout`` seconds while a demand
+waits is declared stuck. A slow disk keeps completing reads and is waited for.
 
 With ``iod="auto"`` the client uses the user's shared daemon when one is
-running and otherwise starts a private one as its child, which stops at
-``close()``, at exit, or when this process dies (it watches a pipe from us).
+running and usable, and otherwise starts a private one as its child (saying
+why on stderr), which stops at ``close()``, at exit, or when this process
+dies (it watches a pipe from us).
 """
 
 import atexit
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -23,28 +30,27 @@ from pathlib import Path
 import zmq
 
 import native
-from shared.launch import ensure_run_dir, lock_holder, pid_alive, spawn
 from shared import codec, paths
 from shared import protocol as P
-from shared import slots as S
 from shared.blob import Manifest, ManifestError, manifest_hash
+from shared.launch import ensure_run_dir, lock_holder, pid_alive, spawn
+from shared.source import ExpertSource, SourceError
 
 E = P.ErrorCode
 
 
-class IodError(RuntimeError):
+class IodError(SourceError):
     """A typed error from the daemon; ``code`` is an ``ErrorCode`` (or None)."""
 
     def __init__(self, message, code=None, layer=-1, expert=-1):
-        super().__init__(message)
-        self.code = E(code) if code is not None and code in E._value2member_map_ else code
-        self.layer = layer
-        self.expert = expert
+        if code is not None and code in E._value2member_map_:
+            code = E(code)
+        super().__init__(message, code, layer, expert)
 
 
 class DaemonDead(IodError):
-    """The daemon died or went away. Sticky: every later call raises it
-    until ``reconnect()``."""
+    """The daemon died, went away or stopped answering. Sticky: every later
+    call raises it until ``reconnect()``."""
 
 
 def _error_text(code, message, layer, expert):
@@ -55,36 +61,37 @@ def _error_text(code, message, layer, expert):
     return f"iod {name}: {where}{message}"
 
 
-class IodClient:
+class IodClient(ExpertSource):
     """A session of ``iod`` for one prep folder.
 
     ``iod``: "auto" (shared daemon, else a private child daemon) or a socket
-    path. ``timeout``: seconds without a reply after which the daemon's
-    liveness is checked; a live but slow daemon is waited for.
-    ``profile``: keep per-record hop stamps in ``hop_log``.
+    path. ``timeout``: seconds the daemon's loop may stand still before it is
+    declared dead; ``progress_timeout``: seconds a demand may wait while the
+    daemon completes no read at all. ``profile``: keep per-record hop stamps
+    in ``hop_log``. ``working_set``: records one layer call needs at least.
     """
 
-    def __init__(self, model_dir, iod="auto", timeout=5.0, profile=False, arena="512M",
-                 workers=4):
+    def __init__(self, model_dir, iod="auto", timeout=10.0, progress_timeout=120.0,
+                 profile=False, arena="512M", workers=4, working_set=1):
         self.model_dir = Path(model_dir).resolve()
         try:
             self.manifest = Manifest.load(self.model_dir)
-        except ManifestError as e:
+            # the identity of what this session loaded: a daemon serving
+            # anything else (re-prepped folder, restarted daemon) is refused
+            self.manifest_hash = manifest_hash(self.model_dir)
+        except (ManifestError, OSError) as e:
             raise IodError(str(e), E.BAD_MODEL) from None
         self.iod = iod
         self.timeout = float(timeout)
+        self.progress_timeout = float(progress_timeout)
         self.profile = profile
-        self.hop_log = []
-        self.counters = dict.fromkeys(
-            ("acquired", "ready_used", "demand_requests", "prefetch_requests", "prefetched",
-             "released", "stale", "shed", "prefetch_failed", "errors", "bytes_copied",
-             "stall_ns"), 0)
+        self.working_set = working_set
+        self._reset_counters()
         self._arena_size = arena
         self._workers = workers
         self._private = None  # (Popen, run dir, parent pipe fd) of a daemon we started
-        self._ctx = None
         self._sock = None
-        self._mm = None
+        self._mm = self._pins_mm = None
         self._pidfd = None
         self._dead = None
         self.daemon_pid = 0
@@ -96,17 +103,10 @@ class IodClient:
 
     # ---- connecting ----------------------------------------------------------------
 
-    def _reset_state(self):
-        self._held = {}  # (layer, expert) -> (slot, generation, size)
-        self._unused = set()  # held from a Ready, not yet returned by fetch
-        self._requested = {}  # (layer, expert) -> req_id of the PREFETCH
-        self._pending = {}  # req_id -> (kind, layer, experts, send ns)
-        self._replies = {}  # req_id -> terminal reply awaited by a blocking call
-        self._prefetch_sent = {}  # req_id -> pending entry, kept for hop stamps (profile only)
-        self._next_req = 1
-
     def _connect(self):
-        self._reset_state()
+        self._next_req = 1
+        self._awaiting = set()  # req_ids of calls whose reply is wanted
+        self._replies = {}
         self._dead = None
         if self.iod == "auto":
             sock = paths.socket_path()
@@ -114,8 +114,12 @@ class IodClient:
             if pid > 0 and sock.exists():
                 try:
                     return self._attach(sock, pid)
-                except IodError:  # gone, full, or its arena cannot take this model
+                except IodError as e:  # gone, full, or its arena cannot take this model
                     self._detach()
+                    if e.code == E.MODEL_CHANGED:
+                        raise
+                    print(f"infer: the shared iod at {sock} is not usable ({e}); "
+                          f"starting a private one", file=sys.stderr)
             sock, pid = self._start_private()
             return self._attach(sock, pid)
         sock = Path(self.iod)
@@ -133,31 +137,25 @@ class IodClient:
         # the process-wide context: a client dropped without close() must not
         # leave a private context for the garbage collector, whose term()
         # blocks while the socket is still open
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 200)
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
         self._sock.connect(paths.endpoint(sock))
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         if self._pidfd is not None:
             self._poller.register(self._pidfd, zmq.POLLIN)
         try:
-            req = self._send(P.Hello(self._req(), P.PROTOCOL_VERSION, os.getpid(),
-                                     str(self.model_dir)), "hello")
-            ok = self._wait(req)
+            ok = self._call(P.Hello(self._req(), P.PROTOCOL_VERSION, os.getpid(),
+                                    str(self.model_dir), self.manifest_hash, self.working_set,
+                                    self.profile), hello=True)
         except IodError:
             self._detach()
             raise
-        if isinstance(ok, P.Error):
+        if ok.manifest_hash != self.manifest_hash:
             self._detach()
-            raise IodError(_error_text(ok.code, ok.message, ok.layer, ok.expert), ok.code,
-                           ok.layer, ok.expert)
-        mine = manifest_hash(self.model_dir)
-        if ok.manifest_hash != mine:
-            self._detach()
-            raise IodError(f"manifest hash mismatch for {self.model_dir}: client {mine}, "
-                           f"daemon {ok.manifest_hash}", E.BAD_MODEL)
+            raise IodError(f"{self.model_dir} changed since this session loaded it (manifest "
+                           f"hash {self.manifest_hash}, the daemon serves {ok.manifest_hash})",
+                           E.MODEL_CHANGED)
         if ok.daemon_pid != self.daemon_pid:
             self.daemon_pid = ok.daemon_pid
             if self._pidfd is not None:
@@ -165,10 +163,11 @@ class IodClient:
             self._watch(ok.daemon_pid)
             if self._pidfd is not None:
                 self._poller.register(self._pidfd, zmq.POLLIN)
-        self.session_id, self.model_id = ok.session_id, ok.model_id
-        self.slot_size, self.slot_count, self.data_offset = ok.slot_size, ok.slot_count, ok.data_offset
+        self.session_id = ok.session_id
+        self.slot_size, self.slot_count = ok.slot_size, ok.slot_count
         self.shm_name = ok.shm_name
-        self._map(ok.shm_name)
+        self._map(ok)
+        self._attach_arena(self._view, self._pins_view, ok, self.manifest)
 
     def _watch(self, pid):
         self._pidfd = None
@@ -178,19 +177,28 @@ class IodClient:
             except OSError:
                 self._pidfd = None
 
-    def _map(self, name):
+    def _map(self, ok):
         # shm_open + mmap directly: never registered with the resource tracker
-        fd = native.shm_open_readonly(name)
+        fd = native.shm_open_readonly(ok.shm_name)
         try:
-            size = os.fstat(fd).st_size
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            self._mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         self._view = memoryview(self._mm)
-        magic, version, slot_size, count, data_off, _ = S.ARENA_HEADER.unpack_from(self._view, 0)
-        if magic != S.ARENA_MAGIC or (slot_size, count, data_off) != (
-                self.slot_size, self.slot_count, self.data_offset):
-            raise IodError(f"arena {name} does not match the daemon's HELLO reply", E.INTERNAL)
+        fd = native.shm_open_rw(ok.pins_name)
+        try:
+            self._pins_mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED,
+                                      mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._pins_view = memoryview(self._pins_mm)
+        from shared import slots as S
+
+        magic, version, slot_size, count, *_ = S.ARENA_HEADER.unpack_from(self._view, 0)
+        if magic != S.ARENA_MAGIC or version != S.ARENA_VERSION or \
+                (slot_size, count) != (ok.slot_size, ok.slot_count):
+            raise IodError(f"arena {ok.shm_name} does not match the daemon's HELLO reply",
+                           E.INTERNAL)
 
     def _start_private(self):
         """A daemon of our own, in a private run dir, that dies with us."""
@@ -206,13 +214,12 @@ class IodClient:
             shutil.rmtree(folder, ignore_errors=True)
             folder = Path(tempfile.mkdtemp(prefix="iod-"))
             sock = folder / "iod.sock"
-
         r, w = os.pipe()
         try:
-            arena = str(self._arena_size)
             # short-lived: commit arena pages as they are used, not all at start
-            proc, pid = spawn(sock, ["--arena", arena, "--workers", str(self._workers),
-                                     "--no-prefault"], log=folder / "iod.log", parent_fd=r)
+            proc, pid = spawn(sock, ["--arena", str(self._arena_size), "--workers",
+                                     str(self._workers), "--no-prefault"],
+                              log=folder / "iod.log", parent_fd=r)
         except RuntimeError as e:
             os.close(w)
             shutil.rmtree(folder, ignore_errors=True)
@@ -240,24 +247,26 @@ class IodClient:
         shutil.rmtree(folder, ignore_errors=True)
 
     def _detach(self):
-        """Drop the connection and mapping (not the private daemon)."""
+        """Drop the connection and mappings (not the private daemon)."""
         if self._sock is not None:
             self._sock.close(linger=0)
-            self._sock = self._ctx = None
+            self._sock = None
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
-        if self._mm is not None:
-            try:
-                self._view.release()
-                self._mm.close()
-            except BufferError:
-                pass  # the caller still holds views; the mapping goes with them
-            self._mm = None
+        for view, mm in (("_view", "_mm"), ("_pins_view", "_pins_mm")):
+            if getattr(self, mm, None) is not None:
+                try:
+                    getattr(self, view).release()
+                    getattr(self, mm).close()
+                except BufferError:
+                    pass  # the caller still holds views; the mapping goes with them
+                setattr(self, mm, None)
 
     def reconnect(self) -> None:
         """After DaemonDead: attach to (or, with iod="auto", start) a fresh
-        daemon and say HELLO again. Views from the old daemon are invalid."""
+        daemon and say HELLO again, with the manifest hash this session
+        loaded (a changed prep folder is refused: MODEL_CHANGED)."""
         self._detach()
         if self._private is not None:
             self._stop_private()
@@ -268,8 +277,7 @@ class IodClient:
         atexit.unregister(self._atexit)
         if self._sock is not None and self._dead is None:
             try:
-                req = self._send(P.Bye(self._req()), "bye")
-                self._wait(req, limit=min(self.timeout, 2.0))
+                self._call(P.Bye(self._req()), limit=min(self.timeout, 2.0))
             except IodError:
                 pass
         self._detach()
@@ -289,19 +297,71 @@ class IodClient:
         self._next_req += 1
         return r
 
-    def _send(self, msg, kind, layer=-1, experts=()):
+    def _check(self):
         if self._dead is not None:
             raise self._dead
-        self._pending[msg.req_id] = (kind, layer, experts, time.monotonic_ns())
+
+    def _send(self, msg):
+        self._check()
         try:
             self._sock.send_multipart(codec.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._die(f"cannot send to iod: {e}")
-        return msg.req_id
 
     def _die(self, why):
         self._dead = DaemonDead(f"iod daemon (pid {self.daemon_pid}) is gone: {why}")
         raise self._dead
+
+    def _call(self, msg, hello=False, limit=None):
+        """Send a call and wait for its terminal reply (an Error raises)."""
+        self._send(msg)
+        self._awaiting.add(msg.req_id)
+        try:
+            reply = self._wait(msg.req_id, hello, limit)
+        finally:
+            self._awaiting.discard(msg.req_id)
+        if isinstance(reply, P.Error):
+            raise IodError(_error_text(reply.code, reply.message, reply.layer, reply.expert),
+                           reply.code, reply.layer, reply.expert)
+        return reply
+
+    def _wait(self, req_id, hello=False, limit=None):
+        """Process messages until ``req_id``'s reply arrives, with deadlines:
+        the daemon's loop must keep turning, and while we wait reads must
+        complete (before HELLO there is no arena to watch: the process is)."""
+        start = time.monotonic()
+        beat, beat_at = (None, start) if hello else (self.heartbeat(), start)
+        done, done_at = (None, start) if hello else (self.reads_done(), start)
+        while req_id not in self._replies:
+            self._check()
+            events = dict(self._poller.poll(100))
+            if self._sock in events:
+                self._drain()
+                continue
+            if self._pidfd is not None and self._pidfd in events:
+                self._die("process exited")
+            now = time.monotonic()
+            if limit is not None and now - start > limit:
+                raise IodError("no reply from iod", E.INTERNAL)
+            if hello:
+                if now - start >= self.timeout and not self._alive():
+                    self._die("no reply, and the process or socket is gone")
+                if now - start >= 6 * self.timeout:
+                    self._die(f"no reply to HELLO within {6 * self.timeout:g} s")
+                continue
+            b, d = self.heartbeat(), self.reads_done()
+            if b != beat:
+                beat, beat_at = b, now
+            if d != done:
+                done, done_at = d, now
+            if not self._alive():
+                self._die("the process or socket is gone")
+            if now - beat_at >= self.timeout:
+                self._die(f"its loop stood still for {self.timeout:g} s (stopped or wedged)")
+            if now - done_at >= self.progress_timeout:
+                self._die(f"it completed no read for {self.progress_timeout:g} s "
+                          f"while a demand waited (stuck)")
+        return self._replies.pop(req_id)
 
     def _alive(self) -> bool:
         if self._private is not None and self._private[0].poll() is not None:
@@ -320,231 +380,31 @@ class IodClient:
             try:
                 msg = codec.decode(frames)
             except codec.DecodeError:
-                self.counters["errors"] += 1
                 continue
-            self._on_message(msg, time.monotonic_ns())
+            if isinstance(msg, P.Shutdown):
+                self._dead = DaemonDead(f"iod daemon (pid {self.daemon_pid}) shut down: "
+                                        f"{msg.reason}")
+            elif getattr(msg, "req_id", None) in self._awaiting:
+                self._replies[msg.req_id] = msg  # anything else: a hint's error, a late reply
 
-    def _wait(self, req_id, limit=None):
-        """Process messages until ``req_id``'s terminal reply arrives."""
-        quiet_since = time.monotonic()
-        end = None if limit is None else time.monotonic() + limit
-        while req_id not in self._replies:
-            if self._dead is not None:
-                raise self._dead
-            events = dict(self._poller.poll(int(min(self.timeout, 1.0) * 1000)))
-            if self._sock in events:
-                self._drain()
-                quiet_since = time.monotonic()
-                continue
-            if self._pidfd is not None and self._pidfd in events:
-                self._die("process exited")
-            now = time.monotonic()
-            if end is not None and now > end:
-                raise IodError("no reply from iod", E.INTERNAL)
-            if now - quiet_since >= self.timeout:
-                if not self._alive():
-                    self._die("no reply, and the process or socket is gone")
-                if not self.daemon_pid and limit is None:
-                    self._die(f"no reply within {self.timeout:g} s")
-                quiet_since = now  # alive but slow: keep waiting
-        return self._replies.pop(req_id)
+    # ---- ExpertSource ----------------------------------------------------------------
 
-    def _on_message(self, msg, t_recv):
-        if isinstance(msg, P.Ready):
-            self._on_ready(msg, t_recv)
-        elif isinstance(msg, P.PrefetchFailed):
-            self._requested.pop((msg.layer, msg.expert), None)
-            self.counters["prefetch_failed"] += 1
-        elif isinstance(msg, P.Shutdown):
-            self._dead = DaemonDead(f"iod daemon (pid {self.daemon_pid}) shut down: {msg.reason}")
-        elif isinstance(msg, P.AcquireOk):
-            pend = self._pending.pop(msg.req_id, None)
-            extra = []
-            for ref in msg.slots:
-                key = (msg.layer, ref[0])
-                old = self._held.get(key)
-                self._held[key] = (ref[1], ref[2], ref[3])
-                self._unused.discard(key)
-                if old is not None:  # each grant is a pin: keep one per record
-                    extra.append(old[:2])
-                self._log(pend, msg.layer, ref, t_recv, "acquire")
-            self._send_release(extra)
-            self._replies[msg.req_id] = msg
-        else:
-            pend = self._pending.pop(getattr(msg, "req_id", -1), None)
-            kind = pend[0] if pend else None
-            if kind == "prefetch":
-                experts = pend[2]
-                n = msg.count if isinstance(msg, P.Ok) else 0
-                for e in experts[n:]:  # not accepted by the daemon
-                    if self._requested.get((pend[1], e)) == msg.req_id:
-                        del self._requested[(pend[1], e)]
-                if isinstance(msg, P.Error):
-                    self.counters["errors"] += 1
-            elif kind in ("release", "cancel"):
-                if isinstance(msg, P.Error):
-                    self.counters["errors"] += 1
-            elif kind is not None:
-                self._replies[msg.req_id] = msg
+    def _send_prefetch(self, layer, experts, now, due):
+        self._send(P.Prefetch(self._req(), self.model_id, layer, experts, now, due))
 
-    def _on_ready(self, msg, t_recv):
-        ref = msg.slot
-        key = (msg.layer, ref[0])
-        req = self._requested.pop(key, None)
-        if key in self._held:  # held already: this grant's pin is one too many
-            self._send_release([[ref[1], ref[2]]])
-            return
-        if req is None:  # cancelled or released meanwhile: not wanted
-            self._send_release([[ref[1], ref[2]]])
-            return
-        self._held[key] = (ref[1], ref[2], ref[3])
-        self._unused.add(key)
-        pend = self._pending.get(req) or self._prefetch_sent.get(req)
-        self._log(pend, msg.layer, ref, t_recv, "prefetch")
+    def _demand(self, layer, experts):
+        reply = self._call(P.Demand(self._req(), self.model_id, layer, experts, self.layer_calls))
+        return reply.refs, reply.stamps
 
-    def _log(self, pend, layer, ref, t_recv, kind):
-        if self.profile:
-            self.hop_log.append({
-                "kind": kind, "layer": layer, "expert": ref[0], "size": ref[3],
-                "client_send": pend[3] if pend else 0, "received": ref[4], "queued": ref[5],
-                "read_start": ref[6], "read_end": ref[7], "sent": ref[8], "client_recv": t_recv,
-            })
-
-    def _send_release(self, pairs):
-        if pairs and self._dead is None:
-            self.counters["released"] += len(pairs)
-            self._send(P.Release(self._req(), [list(p) for p in pairs]), "release")
-
-    # ---- the API -------------------------------------------------------------------
-
-    def _check(self):
-        if self._dead is not None:
-            raise self._dead
-
-    def prefetch(self, layer, experts) -> None:
-        """Ask for records to be read ahead; fire and forget. Experts already
-        pinned or requested by this client are skipped."""
-        self._check()
-        self._drain()
-        todo = [int(e) for e in dict.fromkeys(experts)
-                if (layer, int(e)) not in self._held and (layer, int(e)) not in self._requested]
-        if not todo:
-            return
-        req = self._req()
-        for e in todo:
-            self._requested[(layer, e)] = req
-        self.counters["prefetch_requests"] += 1
-        self.counters["prefetched"] += len(todo)
-        self._send(P.Prefetch(req, self.model_id, layer, todo), "prefetch", layer, todo)
-        if self.profile:  # the Ok reply drops the pending entry before the Readys come
-            self._prefetch_sent[req] = self._pending[req]
-
-    def fetch(self, layer, experts) -> dict:
-        """Read-only views of each expert's record bytes, pinned until
-        ``release``. Blocks only for records not already ready."""
-        self._check()
-        t0 = time.monotonic_ns()
-        experts = [int(e) for e in dict.fromkeys(experts)]
-        self._drain()
-        for attempt in range(3):
-            missing = [e for e in experts if (layer, e) not in self._held]
-            if missing:
-                self.counters["demand_requests"] += 1
-                req = self._send(P.Acquire(self._req(), self.model_id, layer, missing, True),
-                                 "acquire", layer, missing)
-                reply = self._wait(req)
-                if isinstance(reply, P.Error) and reply.code == E.TOO_MANY_PINS and \
-                        self._shed_unused(layer, experts):
-                    continue  # prefetched records nobody used held the room: retry
-                if isinstance(reply, P.Error):
-                    self.counters["errors"] += 1
-                    raise IodError(_error_text(reply.code, reply.message, reply.layer, reply.expert),
-                                   reply.code, reply.layer, reply.expert)
-                self.counters["acquired"] += len(missing)
-            stale = [e for e in experts if not self._fresh(self._held[(layer, e)])]
-            if not stale:
-                break
-            self.counters["stale"] += len(stale)
-            for e in stale:
-                self._held.pop((layer, e))
-        else:
-            raise IodError(f"layer {layer}: slots stayed stale after 3 acquires", E.BAD_SLOT, layer)
-        out = {}
-        used = 0
-        for e in experts:
-            slot, gen, size = self._held[(layer, e)]
-            if (layer, e) in self._unused:
-                self._unused.discard((layer, e))
-                used += 1
-            off = self.data_offset + slot * self.slot_size
-            out[e] = self._view[off: off + size]
-        self.counters["ready_used"] += used
-        self.counters["stall_ns"] += time.monotonic_ns() - t0
-        return out
-
-    def _shed_unused(self, layer, keep) -> bool:
-        """Release pins of prefetched records not yet fetched (except ``keep``
-        of ``layer``); True if there were any."""
-        keep = {(layer, e) for e in keep}
-        drop = [k for k in self._unused if k not in keep]
-        if not drop:
-            return False
-        self._unused.difference_update(drop)
-        self._send_release([self._held.pop(k)[:2] for k in drop])
-        self.counters["shed"] += len(drop)
-        return True
-
-    def _fresh(self, held) -> bool:
-        slot, gen, _ = held
-        off = S.header_offset(slot) + S.GENERATION_OFFSET
-        return native.load_acquire_u64(self._view, off) == gen
-
-    def release(self, layer, experts) -> None:
-        """Drop this client's pins on the records (no wait for the reply)."""
-        self._check()
-        pairs = []
-        for e in dict.fromkeys(experts):
-            held = self._held.pop((layer, int(e)), None)
-            if held is not None:
-                self._unused.discard((layer, int(e)))
-                pairs.append(held[:2])
-        self._send_release(pairs)
-
-    def cancel(self, layer=-1) -> None:
-        """Drop this client's queued prefetches of ``layer`` (-1: all), and
-        the pins of prefetched records it never fetched."""
-        self._check()
-        self._drain()
-        for key in [k for k in self._requested if layer == -1 or k[0] == layer]:
-            del self._requested[key]  # a Ready that still comes is released
-        unused = [k for k in self._unused if layer == -1 or k[0] == layer]
-        pairs = [self._held.pop(k)[:2] for k in unused]
-        self._unused.difference_update(unused)
-        self._send(P.Cancel(self._req(), self.model_id, layer), "cancel", layer)
-        self._send_release(pairs)
+    def stats(self) -> dict:
+        """The daemon's STATS dict (as ``iod status --json`` prints it)."""
+        return self._call(P.Stats(self._req())).stats
 
     def poll(self) -> None:
         """Process everything that has arrived, without blocking."""
         self._check()
         self._drain()
         self._check()
-
-    def stats(self) -> dict:
-        """The daemon's STATS dict (as ``iod status --json`` prints it)."""
-        self._check()
-        req = self._send(P.Stats(self._req()), "stats")
-        reply = self._wait(req)
-        if isinstance(reply, P.Error):
-            raise IodError(reply.message, reply.code)
-        return reply.stats
-
-    def ready(self, layer) -> list:
-        """Experts of ``layer`` pinned for us right now (after a poll)."""
-        return sorted(e for (l, e) in self._held if l == layer)
-
-    @property
-    def pinned(self) -> int:
-        return len(self._held)
 
 
 def _sweep_private_dirs(base: Path, min_age_s: float = 60.0) -> None:
@@ -565,4 +425,3 @@ def _lock_pid(sock: Path) -> int:
         return lock_holder(paths.lock_path(Path(sock).parent))
     except OSError:
         return 0
-

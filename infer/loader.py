@@ -71,9 +71,10 @@ def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None):
     The result works unchanged with ``mlx_lm.generate`` and
     ``mlx_lm.stream_generate``.
     """
+    from .budget import top_k
     from .client import IodClient
 
     check_prep_folder(model_dir)
-    source = IodClient(model_dir, iod=iod)
+    source = IodClient(model_dir, iod=iod, working_set=top_k(model_dir))
     model, tokenizer, _ = load_streaming(model_dir, source, cache_bytes, tokenizer_config)
     return model, tokenizer

@@ -1,9 +1,11 @@
 """IPC latency profiling: where each millisecond of an expert request goes.
 
-Every record a session receives carries monotonic stamps (``time.monotonic_ns``,
-one clock for every process of the machine): client send, daemon received,
-queued, read start, read end, ready sent (from the daemon's slot reference),
-client receive, and copied into MLX (stamped here). ``Profiler`` collects
+Every record a session gets carries monotonic stamps (``time.monotonic_ns``,
+one clock for every process of the machine). An arena hit: lookup start and
+pinned (the session alone: no message). A demanded record: demand sent,
+daemon received, queued, read start, read end, reply sent (the daemon's
+stamps, in a profiling session's DEMAND_OK), reply received. Both: copied
+into MLX (stamped here). ``Profiler`` collects
 them with the session's per-layer spans (compute up to the router, stall
 waiting for records, copy into MLX) and the token times; ``write`` turns
 them into
@@ -28,12 +30,13 @@ import numpy as np
 
 # hop name -> (start stamp, end stamp); a record lacking a stamp skips the hop
 HOPS = {
+    "arena hit: lookup→pinned": ("client_send", "client_recv"),
     "send→daemon": ("client_send", "received"),
     "daemon→queued": ("received", "queued"),
     "queue wait": ("queued", "read_start"),
     "disk read": ("read_start", "read_end"),
     "read→ready sent": ("read_end", "sent"),
-    "hit: received→sent": ("received", "sent"),
+    "demand hit: received→sent": ("received", "sent"),
     "daemon→client": ("sent", "client_recv"),
     "received→copied": ("client_recv", "copied"),
     "request→MLX array": ("client_send", "copied"),
@@ -56,18 +59,26 @@ def percentiles(values, qs=QUANTILES) -> dict:
 
 
 def record_kind(rec) -> str:
-    """acquire_hit / acquire_miss / prefetch_hit / prefetch_miss."""
-    read = "miss" if rec.get("read_start") else "hit"
-    return f"{rec['kind']}_{read}"
+    """arena_hit (found ready, no message), demand_hit (ready at the daemon
+    when the demand came), demand_read (read from disk for the demand)."""
+    if rec["kind"] == "hit":
+        return "arena_hit"
+    return "demand_read" if rec.get("read_start") else "demand_hit"
 
 
 def hop_samples(records) -> dict:
     """hop name -> list of durations in µs over the records that have both stamps."""
     out = {h: [] for h in HOPS}
     for r in records:
+        arena = r["kind"] == "hit"
         hit = not r.get("read_start")
         for hop, (a, b) in HOPS.items():
-            if hop == "hit: received→sent" and not hit:
+            if (hop == "arena hit: lookup→pinned") != arena and hop not in ("received→copied",
+                                                                        "request→MLX array"):
+                continue
+            if hop == "received→copied" and arena:
+                continue
+            if hop == "demand hit: received→sent" and not hit:
                 continue
             if hop in ("daemon→queued", "queue wait", "disk read", "read→ready sent") and hit:
                 continue
@@ -281,13 +292,12 @@ def summarize(records, spans, tokens, copies, meta) -> dict:
     n_tokens = len(tokens)
     copied = sum(c[2] for c in copies)
     decode = sum(c[2] for c in copies if tokens and c[1] > tokens[0])
-    unused = {}
+    kinds = {}
     for r in records:
-        if not r.get("copied"):
-            unused[record_kind(r)] = unused.get(record_kind(r), 0) + 1
+        kinds[record_kind(r)] = kinds.get(record_kind(r), 0) + 1
     out = {
         "records": len(records),
-        "records_never_copied": dict(sorted(unused.items())),  # prefetched, then not needed
+        "records_by_kind": dict(sorted(kinds.items())),
         "hops_us": hops,
         "request_to_mlx_us": {k: percentiles(v) for k, v in sorted(by_kind.items())},
         "per_layer": dict(sorted(per_layer.items(), key=lambda kv: int(kv[0]))),
@@ -312,11 +322,11 @@ def _f(v, digits=1):
 
 def summary_markdown(s) -> str:
     lines = ["# Expert request profile", "",
-             f"{s['records']} records received, {s['tokens']} tokens, "
+             f"{s['records']} records fetched, {s['tokens']} tokens, "
              f"stall {s['stall_s']:.3f} s in total.", "",
-             "Records received but never copied into MLX (prefetched, then not needed): "
-             + (", ".join(f"{k} {v}" for k, v in s["records_never_copied"].items()) or "none")
-             + ".", "",
+             "Records by kind: "
+             + (", ".join(f"{k} {v}" for k, v in s["records_by_kind"].items()) or "none")
+             + " (arena hits cost no message; prefetched records are arena hits).", "",
              "## Latency per hop (µs)", "",
              "| hop | n | p50 | p90 | p99 | max |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for hop, p in s["hops_us"].items():

@@ -94,6 +94,7 @@ def cache_bytes_for(budget, model_dir, manifest, private_daemon=True):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from .budget import top_k
     from .client import DaemonDead, IodClient, IodError
 
     try:
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
     try:
-        source = IodClient(args.model, iod=args.iod, **client_kw)
+        source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model),
+                           profile=bool(args.profile), **client_kw)
     except IodError as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2

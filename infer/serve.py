@@ -114,6 +114,7 @@ def _stop(signum, frame):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from .budget import top_k
     from .client import IodClient, IodError
     from .run import cache_bytes_for
 
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         cache_bytes = None
         if args.mem_budget is not None:
             cache_bytes = cache_bytes_for(parse_size(args.mem_budget), args.model, manifest)
-        source = IodClient(args.model, iod=args.iod)
+        source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model))
     except (PrepFolderError, ValueError, IodError) as e:
         print(f"infer serve: {e}", file=sys.stderr)
         return 2

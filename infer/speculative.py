@@ -699,14 +699,14 @@ def bench_main(argv=None):
     from .loader import check_prep_folder, load_streaming
     from .mtp import MTPDrafter, has_mtp, load_mtp
     from .run import encode_prompt
-    from .sources import SyncSource
+    from iod.inproc import InprocSource
 
     args = _bench_parser().parse_args(argv)
     manifest = check_prep_folder(args.model)
     if args.draft == "mtp" and not has_mtp(args.model):
         print(f"{args.model} has no MTP head", file=sys.stderr)
         return 2
-    source = SyncSource(args.model, read_rate=args.read_rate * 1e6)
+    source = InprocSource(args.model, workers=1, read_rate=args.read_rate * 1e6)
     cache_bytes = int(manifest.expert_bytes * args.cache)
     model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
     head = load_mtp(args.model, model, store, manifest) if args.draft == "mtp" else None

@@ -26,6 +26,10 @@ import numpy as np
 
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+import native
+from shared.blob import NUMPY_DTYPES
+from shared.source import Batch
+
 from .client import DaemonDead
 
 _MX_DTYPES = {
@@ -40,15 +44,12 @@ _MX_DTYPES = {
 }
 
 
-def record_to_arrays(layout, record):
-    """One expert record as MLX arrays (copied), keyed by (projection, tensor)."""
-    out = {}
-    views = layout.split(record)
-    for s in layout.segments:
-        arr = mx.array(views[(s.projection, s.tensor)])
-        dtype = _MX_DTYPES[s.dtype]
-        out[(s.projection, s.tensor)] = arr if arr.dtype == dtype else arr.view(dtype)
-    return out
+def writes_in_place() -> bool:
+    """Whether records can be copied straight into MLX arrays' memory: on the
+    CPU and on Apple silicon an array's buffer is host memory. A CUDA GPU's
+    is not, so there records go through one host-to-device transfer per
+    tensor and a scatter into the stack."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
 class LayerStack:
@@ -56,25 +57,35 @@ class LayerStack:
 
     Replacement: decayed frequency (``infer.belady.FreqDecay`` is the same
     rule, simulated); ``tick()`` once per call of the layer, ``touch`` on
-    each hit, ``insert`` on each miss."""
+    each hit, ``place`` on each miss. A stack that can hold every expert of
+    its layer keeps expert e at position e, and once full (``complete``)
+    runs exactly like the resident model's weights: no lookup, no sync."""
 
     HALF_LIFE = 16.0  # calls of the layer (tokens, in decode)
 
     def __init__(self, layout, capacity):
         self.layout = layout
         self.capacity = capacity
+        self.identity = capacity >= layout.num_experts
         self.t = 0
         self._score = {}  # expert -> (decayed access count, at t); also evicted ones
         self._decay = 0.5 ** (1.0 / self.HALF_LIFE)
-        self.arrays = {
-            (s.projection, s.tensor): mx.zeros((max(capacity, 1), *s.shape), _MX_DTYPES[s.dtype])
-            for s in layout.segments
-        }
+        self.arrays = {}
+        for s in layout.segments:
+            a = mx.zeros((max(capacity, 1), *s.shape), _MX_DTYPES[s.dtype])
+            self.arrays[(s.projection, s.tensor)] = a
+        mx.eval(list(self.arrays.values()))
+        # the tensors' memory, written in place by ``copy_in`` where it is host memory
+        self._memory = [memoryview(a) for a in self.arrays.values()] if writes_in_place() else None
         self.position = OrderedDict()  # expert -> position, least recent first
         self._free = list(range(capacity - 1, -1, -1))
 
     def __contains__(self, expert):
         return expert in self.position
+
+    @property
+    def complete(self) -> bool:
+        return self.identity and len(self.position) == self.layout.num_experts
 
     def tick(self):
         self.t += 1
@@ -101,36 +112,70 @@ class LayerStack:
                     best, best_s = e, s
         return best
 
-    def insert(self, expert, arrays, keep):
-        """Copy an expert into a free position or the victim's one."""
-        if self._free:
+    def place(self, expert, keep):
+        """The position a missed expert goes to (its victim's, or a free
+        one), or None when every cached expert is in ``keep``."""
+        if self.identity:
+            pos = expert
+        elif self._free:
             pos = self._free.pop()
         else:
             victim = self.victim(keep)
             if victim is None:
                 self._access(expert)  # used from a temporary stack: still counts
-                return False
+                return None
             pos = self.position.pop(victim)
-        for key, arr in arrays.items():
-            self.arrays[key][pos] = arr
         self.position[expert] = pos
         self._access(expert)
-        return True
+        return pos
+
+    def copy_in(self, batch, positions):
+        """Copy ``batch``'s records to ``positions``: one native copy for every
+        tensor where the stack's memory is host memory, else one transfer and
+        one scatter per tensor."""
+        if self._memory is not None:
+            rows = []
+            for ti, s in enumerate(self.layout.segments):
+                for src, pos in zip(batch.offsets.tolist(), positions):
+                    rows.append((ti, pos * s.nbytes, src + s.offset, s.nbytes))
+            native.copy_regions(self._memory, batch.buf, np.array(rows, dtype=np.int64))
+            return
+        idx = mx.array(np.array(positions, dtype=np.uint32))
+        for key, arr in staged(self.layout, batch).items():
+            self.arrays[key][idx] = arr
 
     @property
     def nbytes(self):
         return self.capacity * self.layout.record_bytes
 
 
+def staged(layout, batch, order=None):
+    """{(projection, tensor): MLX array of the batch's records (those at
+    ``order``), stacked}: one native copy into host staging and one
+    ``mx.array`` per tensor."""
+    order = range(len(batch)) if order is None else order
+    n = len(order)
+    out = {}
+    offsets = batch.offsets.tolist()
+    for s in layout.segments:
+        buf = np.empty((n, s.nbytes), dtype=np.uint8)
+        rows = [(0, j * s.nbytes, offsets[i] + s.offset, s.nbytes) for j, i in enumerate(order)]
+        native.copy_regions([buf], batch.buf, np.array(rows, dtype=np.int64))
+        a = mx.array(buf.view(NUMPY_DTYPES[s.dtype]).reshape(n, *s.shape))
+        dtype = _MX_DTYPES[s.dtype]
+        out[(s.projection, s.tensor)] = a if a.dtype == dtype else a.view(dtype)
+    return out
+
+
 class ExpertStore:
     """Serves experts to the streaming modules: layer stacks first, then the source.
 
-    ``source`` is an ``infer.client.IodClient`` (or a local source with the
-    same ``fetch / release / prefetch / cancel`` methods, used by benchmarks).
-    ``cache_bytes`` is split evenly over the layers' stacks. With ``depth > 0``
-    each MoE layer also predicts the experts of the next ``depth`` layers by
-    applying their routers to its own input, and asks the source to prefetch
-    the ones not cached.
+    ``source`` is a ``shared.source.ExpertSource``: ``infer.client.IodClient``
+    (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
+    in this process). ``cache_bytes`` is split evenly over the layers' stacks.
+    With ``depth > 0`` each MoE layer also predicts the experts of the next
+    ``depth`` layers by applying their routers to its own input, and hints
+    the source to prefetch the ones not cached.
     """
 
     MIN_PRECISION = 0.25  # of guesses, for prefetch to go on (see prefetch_pays)
@@ -187,7 +232,7 @@ class ExpertStore:
         for layer, d, ids in guesses:
             wanted = set(np.unique(np.array(ids)).tolist())
             # a prefill-sized call: its next layers need most experts anyway,
-            # and pinning them all ahead would crowd out demand
+            # and reading them all ahead would crowd out demand
             small = len(wanted) <= 2 * self.routers[layer][1]
             self._predicted.setdefault(layer, {})[d] = (wanted, small)
             if not small:
@@ -197,7 +242,7 @@ class ExpertStore:
             stack = self.stack(layer)
             missing = [e for e in sorted(wanted) if e not in stack]
             if missing:
-                self._call("prefetch", layer, missing)
+                self._call("prefetch", layer, missing, d)
 
     def prefetch_pays(self, depth):
         """Whether guesses at ``depth`` are right often enough to be read
@@ -247,31 +292,44 @@ class ExpertStore:
         missing = [e for e in wanted if e not in stack]
         self.stats["hits"] += len(wanted) - len(missing)
         self.stats["misses"] += len(missing)
-        fetched = self._fetch(layer, missing) if missing else {}
-        if self.depth:
-            # what was prefetched for this layer and not used is dropped now
-            self._call("cancel", layer)
-
         for e in wanted:
             if e in stack:
                 stack.touch(e)
-        keep = set(wanted)
-        placed = True
-        for e in wanted:
-            if e not in stack and not stack.insert(e, fetched[e], keep):
-                placed = False
-        if placed:
+        if not missing:
             return stack.arrays, [stack.position[e] for e in wanted]
-        # more experts than the stack holds: a temporary compact stack
-        arrays = {
-            key: mx.stack(
-                [fetched[e][key] if e in fetched else stack.arrays[key][stack.position[e]] for e in wanted]
-            )
-            for key in stack.arrays
-        }
-        return arrays, list(range(len(wanted)))
+        keep = set(wanted)
+        places = {e: stack.place(e, keep) for e in missing}
+        if all(p is not None for p in places.values()):
+            self._fetch(layer, missing, lambda batch: stack.copy_in(
+                batch, [places[e] for e in batch.experts]))
+            return stack.arrays, [stack.position[e] for e in wanted]
+        # more experts than the stack holds (a long prefill with a small
+        # cache): the ones that found a place are copied in, and the call
+        # runs on a temporary compact stack of every wanted expert
+        parts = []
 
-    def _call(self, name, *args, retry=False):
+        def copy(batch):
+            placed = [i for i, e in enumerate(batch.experts) if places[e] is not None]
+            if placed:
+                sub = Batch(batch.buf, [batch.experts[i] for i in placed],
+                            batch.offsets[placed], [batch.sizes[i] for i in placed])
+                stack.copy_in(sub, [places[e] for e in sub.experts])
+            rest = [i for i, e in enumerate(batch.experts) if places[e] is None]
+            if rest:
+                parts.append(([batch.experts[i] for i in rest], staged(stack.layout, batch, rest)))
+
+        self._fetch(layer, missing, copy)
+        cached = [e for e in wanted if e in stack]
+        order = cached + [e for experts, _ in parts for e in experts]
+        index = mx.array(np.array([stack.position[e] for e in cached], dtype=np.uint32))
+        arrays = {}
+        for key, arr in stack.arrays.items():
+            pieces = ([arr[index]] if cached else []) + [p[key] for _, p in parts]
+            arrays[key] = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+        where = {e: i for i, e in enumerate(order)}
+        return arrays, [where[e] for e in wanted]
+
+    def _call(self, name, *args):
         """A source call that survives the death of an embedded daemon: with
         ``iod="auto"`` the client starts or attaches a fresh one; the experts
         already copied into the stacks stay valid, so generation carries on."""
@@ -282,29 +340,29 @@ class ExpertStore:
                 raise
             self.stats["reconnects"] = self.stats.get("reconnects", 0) + 1
             self.source.reconnect()
-            return getattr(self.source, name)(*args) if retry else None
+            return getattr(self.source, name)(*args) if name == "fetch_into" else None
 
-    def _fetch(self, layer, experts):
+    def _fetch(self, layer, experts, copy):
+        """Bring ``experts``' records in through ``copy(batch)``."""
         layout = self.layouts[layer]
         prof = self.profiler
-        t0 = time.monotonic_ns() if prof else 0
-        tic = time.perf_counter()
-        records = self._call("fetch", layer, experts, retry=True)
-        self.stats["stall_s"] += time.perf_counter() - tic
-        t1 = time.monotonic_ns() if prof else 0
-        try:
-            out = {e: record_to_arrays(layout, records[e]) for e in experts}
-            mx.eval([a for arrays in out.values() for a in arrays.values()])
-        finally:
-            self._call("release", layer, experts)
+        t0 = time.monotonic_ns()
+        copying = [0]
+
+        def sink(batch):
+            c0 = time.monotonic_ns()
+            copy(batch)
+            copying[0] += time.monotonic_ns() - c0
+
+        self._call("fetch_into", layer, experts, sink)
+        t2 = time.monotonic_ns()
+        self.stats["stall_s"] += (t2 - t0 - copying[0]) / 1e9
+        nbytes = layout.record_bytes * len(experts)
         if prof:
-            t2 = time.monotonic_ns()
-            nbytes = layout.record_bytes * len(experts)
-            prof.span("stall", layer, t0, t1, len(experts))
-            prof.span("copy", layer, t1, t2, nbytes)
+            prof.span("stall", layer, t0, t2 - copying[0], len(experts))
+            prof.span("copy", layer, t2 - copying[0], t2, nbytes)
             prof.copied(layer, experts, t2, nbytes)
-        self.stats["fetched_bytes"] += layout.record_bytes * len(experts)
-        return out
+        self.stats["fetched_bytes"] += nbytes
 
 
 def _projection(layout, proj):
@@ -333,10 +391,15 @@ class StreamingExperts(nn.Module):
             setattr(inner, proj, _projection(layout, proj))
 
     def __call__(self, x, indices):
+        store = self._store
+        stack = store.stacks.get(self._layout.layer)
+        if stack is not None and stack.complete and store.trace is None:
+            # every expert resident at its own index: the resident model's call
+            store.stats["hits"] += indices.size
+            return self._inner(x, indices)
         # Reading the routed ids forces evaluation up to the router: inherent
         # to streaming, and the only sync per MoE layer. The next layers'
         # guesses are evaluated in the same sync.
-        store = self._store
         guesses = store.predict(self._layout.layer, x) if store.depth else []
         t0 = time.monotonic_ns() if store.profiler else 0
         mx.eval(indices, *[g[2] for g in guesses])

@@ -152,9 +152,9 @@ def report_main(folder: Path, n_tokens: int) -> int:
         if (folder / "manifest.json").is_file():
             # a prep folder: experts read from its blobs, in this process
             from .loader import load_streaming
-            from .sources import SyncSource
+            from iod.inproc import InprocSource
 
-            model, tokenizer, store = load_streaming(folder, SyncSource(folder))
+            model, tokenizer, store = load_streaming(folder, InprocSource(folder))
             experts = {l.module: l.num_experts for l in store.manifest.layers if not l.module.startswith("mtp.")}
         else:
             model, tokenizer = mlx_lm.load(str(folder))

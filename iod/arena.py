@@ -1,20 +1,26 @@
-"""The daemon's side of the shared-memory arena: slots, pins and eviction.
+"""The daemon's side of the shared-memory arena: slots, the directory, pins
+and eviction.
 
-Slots move FREE -> FILLING -> READY; a READY slot is pinned by a set of
-sessions, and an unpinned READY slot sits in an LRU from which it is evicted
-when a read needs room. A pinned or FILLING slot is never reused.
+Slots move FREE -> FILLING -> READY. A READY slot is found by sessions
+through the directory (``shared.slots``) and pinned by them in their own row
+of the pin table, with no message; the daemon pins records for a session
+there too when it grants a demand. A slot any row pins, or a FILLING one, is
+never reused. When a read needs a slot and none is free, a CLOCK hand sweeps
+the READY slots: pinned ones are skipped, ones whose reference byte a session
+set (a hit) or that were just filled get a second chance, and the first other
+one is evicted — after zeroing its generation and directory word and checking
+the pins once more (see ``shared.slots`` for why that is safe).
 
-The slot header in shared memory is written with the record's identity, and
-then its ``generation`` is published with a release store; a fill first
-zeroes the generation, so a client holding a stale reference sees a mismatch.
-Only the daemon's main thread touches this object; reader threads write
-slot data only, into slots this object handed out as FILLING.
+Only the daemon's main thread (or the in-process source's caller) touches
+this object; reader threads write slot data only, into slots this object
+handed out as FILLING.
 """
 
 import mmap
 import os
 import threading
-from collections import OrderedDict
+
+import numpy as np
 
 import native
 from shared import slots as S
@@ -24,29 +30,30 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
 class Slot:
-    __slots__ = ("index", "state", "key", "generation", "pins", "size")
+    __slots__ = ("index", "state", "key", "entry", "generation", "size", "fresh", "prefetched",
+                 "used")
 
     def __init__(self, index):
         self.index = index
         self.state = S.FREE
         self.key = None  # (model_id, layer, expert)
+        self.entry = -1  # its directory word
         self.generation = 0
-        self.pins = {}  # session id -> pin count
         self.size = 0
+        self.fresh = False  # just filled: one pass of the hand before it may go
+        self.prefetched = False  # filled by a prefetch ...
+        self.used = False  # ... and since hit or granted
 
 
 class Arena:
-    """A POSIX shm segment of ``size`` bytes; slots are laid out once the
-    slot size is known (``layout``)."""
+    """A POSIX shm segment of ``size`` bytes (``name`` None: anonymous memory,
+    for the in-process source); slots are laid out once the slot size is
+    known (``layout``), with a pin table of ``rows`` session rows."""
 
-    def __init__(self, name: str, size: int, prefault: bool = False):
+    def __init__(self, name, size: int, prefault: bool = False):
         self.name = name
         self.size = size
-        fd = native.shm_create(name, size)
-        try:
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self.mm = self._map(name, size)
         self.buf = memoryview(self.mm)
         self._prefaulter = None
         if prefault:  # in the background: start-up stays quick
@@ -57,10 +64,13 @@ class Arena:
         self.data_offset = 0
         self.slots = []
         self.free = []
-        self.lru = OrderedDict()  # slot index -> None, oldest first
+        self.hand = 0  # of the CLOCK sweep
         self.index = {}  # key -> slot index, READY or FILLING
+        self.dir_free = [(0, S.DIR_ENTRIES)]  # (first word, count)
+        self.pins_name = None
         self._next_generation = 1
-        self.evictions = 0
+        self._beats = self._reads_done = 0
+        self.evictions = self.unused_prefetches = 0
 
     def _prefault(self) -> None:
         """Commit every page now, so the first read into a slot does not pay
@@ -77,22 +87,78 @@ class Arena:
     def prefaulted(self) -> bool:
         return self._prefaulter is not None and not self._prefaulter.is_alive()
 
+
     @property
     def laid_out(self) -> bool:
-        return self.slot_size > 0
+        return self.slot_count > 0
 
-    def layout(self, slot_size: int) -> None:
+    def _map(self, name, size):
+        if name is None:
+            return mmap.mmap(-1, size, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        fd = native.shm_create(name, size)
+        try:
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
+    def layout(self, slot_size: int, rows: int) -> None:
+        """Lay out slots of ``slot_size`` and a pin table of ``rows`` rows."""
         slot_size = S.round_up(slot_size, S.PAGE)
-        count = S.slot_count_for(self.size, slot_size)
-        if S.arena_bytes(slot_size, count) > self.size:
+        lay = S.Layout.fitting(self.size, slot_size)
+        if lay.slot_count < 1:
             raise ValueError(f"arena of {self.size} bytes cannot hold one slot of {slot_size}")
-        self.slot_size, self.slot_count = slot_size, count
-        self.data_offset = S.data_offset(count)
+        self.lay = lay
+        self.slot_size, self.slot_count = slot_size, lay.slot_count
+        self.data_offset = lay.data_offset
+        self.pin_layout = S.PinLayout(lay.slot_count, rows)
+        self.pins_name = None if self.name is None else self.name + "p"
+        self.pins_mm = self._map(self.pins_name, self.pin_layout.nbytes)
+        self.pins_buf = memoryview(self.pins_mm)
+        row = self.pin_layout.row_bytes
+        table = np.frombuffer(self.pins_mm, np.uint8, rows * row).reshape(rows, row)
+        self._pins = table[:, : 4 * lay.slot_count].view(np.uint32)  # [row, slot]
+        self._refs = table[:, 4 * lay.slot_count : 5 * lay.slot_count]  # [row, slot]
         S.ARENA_HEADER.pack_into(
-            self.buf, 0, S.ARENA_MAGIC, S.ARENA_VERSION, slot_size, count, self.data_offset, os.getpid()
-        )
-        self.slots = [Slot(i) for i in range(count)]
-        self.free = list(range(count - 1, -1, -1))
+            self.buf, 0, S.ARENA_MAGIC, S.ARENA_VERSION, slot_size, lay.slot_count,
+            lay.data_offset, os.getpid(), lay.dir_offset, lay.dir_entries, lay.headers_offset)
+        self.slots = [Slot(i) for i in range(lay.slot_count)]
+        self.free = list(range(lay.slot_count - 1, -1, -1))
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    # ---- live words of the header ----------------------------------------------------
+
+    def beat(self) -> None:
+        """The loop is alive: sessions watch this word while they wait."""
+        self._beats += 1
+        native.store_u64(self.buf, S.HEARTBEAT_OFFSET, self._beats)
+
+    def count_read(self) -> None:
+        self._reads_done += 1
+        native.store_u64(self.buf, S.READS_DONE_OFFSET, self._reads_done)
+
+    # ---- the directory ---------------------------------------------------------------
+
+    def dir_alloc(self, n: int):
+        """The first of ``n`` consecutive directory words for a model, or None."""
+        for i, (start, count) in enumerate(self.dir_free):
+            if count >= n:
+                self.dir_free[i] = (start + n, count - n)
+                return start
+        return None
+
+    def dir_release(self, start: int, n: int) -> None:
+        """A closed model's words (its slots were dropped first)."""
+        self.dir_free.append((start, n))
+        self.dir_free.sort()
+        merged = []
+        for a, c in self.dir_free:
+            if merged and merged[-1][0] + merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], merged[-1][1] + c)
+            elif c:
+                merged.append((a, c))
+        self.dir_free = merged
+
+    # ---- slots -----------------------------------------------------------------------
 
     def data(self, slot: int, n: int) -> memoryview:
         off = self.data_offset + slot * self.slot_size
@@ -102,101 +168,157 @@ class Arena:
         i = self.index.get(key)
         return None if i is None else self.slots[i]
 
-    def allocate(self, key):
-        """A slot for ``key`` in FILLING state, evicting the least recently
-        used unpinned READY slot if needed; None when all are pinned or filling."""
+    def pinned(self, slot: int) -> bool:
+        return native.pinned(self.pins_buf, self.pin_layout.row_bytes, self.pin_layout.rows,
+                             slot) > 0
+
+    def allocate(self, key, entry: int):
+        """A slot for ``key`` (directory word ``entry``) in FILLING state, or
+        None when every slot is pinned or filling."""
         if self.free:
             i = self.free.pop()
-        elif self.lru:
-            i, _ = self.lru.popitem(last=False)
-            old = self.slots[i]
-            del self.index[old.key]
-            self.evictions += 1
         else:
-            return None
+            i = self._victim()
+            if i is None:
+                return None
         s = self.slots[i]
-        native.store_release_u64(self.buf, S.header_offset(i) + S.GENERATION_OFFSET, 0)
-        s.state, s.key, s.generation, s.size = S.FILLING, key, 0, 0
+        s.state, s.key, s.entry, s.generation, s.size = S.FILLING, key, entry, 0, 0
+        s.fresh = s.prefetched = s.used = False
+        S.SLOT_HEADER.pack_into(self.buf, self.lay.header(i), S.FILLING, key[0], key[1], key[2],
+                                0, 0, 0)
         self.index[key] = i
         return s
 
-    def publish(self, s: Slot, size: int, checksum: int) -> None:
-        """FILLING -> READY: header fields first, then the generation with a release store."""
+    def _victim(self):
+        """CLOCK: the next READY slot nobody pins, nobody hit since the hand
+        last passed, and not just filled; None after two full turns."""
+        n = self.slot_count
+        for _ in range(2 * n):
+            i = self.hand
+            self.hand = (i + 1) % n
+            s = self.slots[i]
+            if s.state != S.READY or self._pins[:, i].any():
+                continue
+            if self._refs[:, i].any():
+                self._refs[:, i] = 0
+                s.used = s.fresh = True
+                continue
+            if s.fresh:
+                s.fresh = False
+                continue
+            if self._evict(s):
+                return i
+        return None
+
+    def _evict(self, s: Slot) -> bool:
+        """Unpublish ``s``, unless a session pinned it meanwhile."""
+        gen_word = self.lay.generation(s.index)
+        native.store_u64(self.buf, gen_word, 0)
+        native.store_u32(self.buf, self.lay.dir_word(s.entry), 0)
+        if self.pinned(s.index):  # it won the race: keep it published
+            native.store_u64(self.buf, gen_word, s.generation)
+            native.store_u32(self.buf, self.lay.dir_word(s.entry), s.index + 1)
+            return False
+        del self.index[s.key]
+        self.evictions += 1
+        if s.prefetched and not s.used:
+            self.unused_prefetches += 1
+        s.state = S.FREE
+        return True
+
+    def publish(self, s: Slot, size: int, checksum: int, prefetched: bool) -> None:
+        """FILLING -> READY: header fields, then the generation, then the
+        directory word, each a sequentially consistent store."""
         gen = self._next_generation
         self._next_generation += 1
         model_id, layer, expert = s.key
-        off = S.header_offset(s.index)
+        off = self.lay.header(s.index)
         S.SLOT_HEADER.pack_into(self.buf, off, S.READY, model_id, layer, expert, 0, checksum, size)
-        native.store_release_u64(self.buf, off + S.GENERATION_OFFSET, gen)
+        native.store_u64(self.buf, off + S.GENERATION_OFFSET, gen)
+        native.store_u32(self.buf, self.lay.dir_word(s.entry), s.index + 1)
         s.state, s.generation, s.size = S.READY, gen, size
-        if not s.pins:
-            self.lru[s.index] = None
+        s.fresh, s.prefetched, s.used = True, prefetched, False
 
     def abandon(self, s: Slot) -> None:
         """A failed fill: FILLING -> FREE."""
         del self.index[s.key]
-        S.SLOT_HEADER.pack_into(self.buf, S.header_offset(s.index), S.FREE, 0, 0, 0, 0, 0, 0)
-        s.state, s.key, s.generation, s.size = S.FREE, None, 0, 0
+        S.SLOT_HEADER.pack_into(self.buf, self.lay.header(s.index), S.FREE, 0, 0, 0, 0, 0, 0)
+        s.state, s.key, s.entry, s.generation, s.size = S.FREE, None, -1, 0, 0
         self.free.append(s.index)
 
-    def pin(self, s: Slot, session: int) -> bool:
-        """One more pin of a READY slot by a session (pins are counted: each
-        grant is one pin, each release drops one). True on its first pin."""
-        n = s.pins.get(session, 0)
-        s.pins[session] = n + 1
-        self.lru.pop(s.index, None)
-        return n == 0
-
-    def unpin(self, s: Slot, session: int, every: bool = False) -> bool:
-        """Drop one pin (``every``: all) of the session; True when it holds none now."""
-        n = s.pins.get(session, 0)
-        if n == 0:
+    def drop(self, s: Slot) -> bool:
+        """Remove a READY slot nobody pins (its model is closing)."""
+        if s.state != S.READY or not self._evict(s):
             return False
-        if n > 1 and not every:
-            s.pins[session] = n - 1
-            return False
-        del s.pins[session]
-        if not s.pins and s.state == S.READY:
-            self.lru[s.index] = None  # most recently used end
+        self.evictions -= 1
+        s.key, s.entry = None, -1
+        self.free.append(s.index)
         return True
 
-    def touch(self, s: Slot) -> None:
-        if s.index in self.lru:
-            self.lru.move_to_end(s.index)
+    # ---- pin table rows --------------------------------------------------------------
+
+    def take_row(self):
+        return self.free_rows.pop() if self.free_rows else None
+
+    def give_row(self, row: int) -> None:
+        """A session ended: its pins and reference bytes go."""
+        self._pins[row, :] = 0
+        self._refs[row, :] = 0
+        self.free_rows.append(row)
+
+    def pin_for(self, row: int, s: Slot) -> None:
+        """One pin of ``s`` in a session's row (a granted demand)."""
+        native.add_u32(self.pins_buf, self.pin_layout.pins(row) + 4 * s.index, 1)
+        s.used = True
+
+    def unpin_for(self, row: int, s: Slot) -> None:
+        native.unpin(self.pins_buf, self.pin_layout.pins(row), self.slot_count,
+                     np.array([s.index], np.int32))
+
+    def held(self, row: int) -> int:
+        """Distinct slots a session's row pins."""
+        return int(np.count_nonzero(self._pins[row]))
 
     def counts(self) -> dict:
         out = {"free": 0, "filling": 0, "ready_pinned": 0, "evictable": 0}
+        pinned = self._pins.any(axis=0) if self.laid_out else None
         for s in self.slots:
             if s.state == S.FREE:
                 out["free"] += 1
             elif s.state == S.FILLING:
                 out["filling"] += 1
-            elif s.pins:
+            elif pinned[s.index]:
                 out["ready_pinned"] += 1
             else:
                 out["evictable"] += 1
         return out
 
     def check(self) -> None:
-        """Invariants (tests): index, free list and LRU agree with slot states."""
+        """Invariants (tests): index, free list, directory and slot states agree."""
         assert len(self.free) == len(set(self.free))
         for s in self.slots:
+            word = native.load_u32(self.buf, self.lay.dir_word(s.entry)) if s.entry >= 0 else 0
             if s.state == S.FREE:
-                assert s.index in self.free and not s.pins and s.index not in self.lru
+                assert s.index in self.free and s.key is None
             else:
-                assert self.index[s.key] == s.index
-                assert s.index not in self.free
-                in_lru = s.index in self.lru
-                assert in_lru == (s.state == S.READY and not s.pins), s.index
+                assert self.index[s.key] == s.index and s.index not in self.free
+                assert word == (s.index + 1 if s.state == S.READY else 0), (s.index, word)
         assert len(self.index) == sum(1 for s in self.slots if s.state != S.FREE)
 
     def close(self, unlink: bool = True) -> None:
         if self._prefaulter is not None:
             self._prefaulter.join()
-        try:
-            self.buf.release()
-            self.mm.close()
-        except BufferError:
-            pass  # a view is still alive; the mapping goes with the process
+        self._pins = self._refs = None
+        for view, mm in ((self.buf, self.mm), (getattr(self, "pins_buf", None),
+                                               getattr(self, "pins_mm", None))):
+            if mm is None:
+                continue
+            try:
+                view.release()
+                mm.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with the process
         if unlink:
-            native.shm_unlink(self.name)
+            for name in (self.name, self.pins_name):
+                if name is not None:
+                    native.shm_unlink(name)

@@ -44,7 +44,8 @@ def _parser():
     st.add_argument("--read-rate", type=float, default=0.0,
                     help="MB/s cap on reads: emulates a slower device for benchmarks")
     st.add_argument("--max-sessions", type=int, default=64)
-    st.add_argument("--max-pins", type=int, default=4096, help="per session")
+    st.add_argument("--max-connections", type=int, default=1024,
+                    help="peers connected at once; more are refused at the handshake")
     st.add_argument("--max-queued", type=int, default=8192, help="records queued per session")
     st.add_argument("--no-prefault", action="store_true",
                     help="do not commit the arena's memory at start (pages fault in on first use)")
@@ -95,20 +96,20 @@ def start_foreground(args, sock: Path) -> int:
         _say(ready_fd, f"ERROR {e}")
         return 1
     import native
-    from .server import Config, Daemon
+    from .core import Config
+    from .shell import Shell
 
     daemon = None
     try:
         swept = runtime.sweep_stale(folder, sock, native.shm_unlink)
         if swept:
             print(f"iod: removed stale shared memory {', '.join(swept)}", file=sys.stderr)
-        cfg = Config(socket=sock, arena_size=args.arena, slot_size=args.slot_size,
-                     workers=max(args.workers, 1), hashers=max(args.hashers, 0),
-                     read_rate=args.read_rate * 1e6,
-                     max_sessions=args.max_sessions, max_pins=args.max_pins,
-                     max_queued=args.max_queued, faults=os.environ.get("IOD_FAULTS", ""),
-                     prefault=not args.no_prefault)
-        daemon = Daemon(cfg, parent_fd=args.parent_fd)
+        cfg = Config(arena_size=args.arena, slot_size=args.slot_size,
+                     workers=max(args.workers, 1), max_sessions=args.max_sessions,
+                     max_queued=args.max_queued)
+        daemon = Shell(cfg, sock, hashers=max(args.hashers, 0), read_rate=args.read_rate * 1e6,
+                       faults=os.environ.get("IOD_FAULTS", ""), prefault=not args.no_prefault,
+                       parent_fd=args.parent_fd, max_connections=args.max_connections)
         daemon.open()
     except Exception as e:
         print(f"iod: cannot start: {e}", file=sys.stderr)
@@ -152,7 +153,8 @@ def start_detached(args, sock: Path) -> int:
     extra = ["--arena", str(args.arena), "--workers", str(args.workers),
              "--hashers", str(args.hashers),
              "--read-rate", str(args.read_rate), "--max-sessions", str(args.max_sessions),
-             "--max-pins", str(args.max_pins), "--max-queued", str(args.max_queued)]
+             "--max-connections", str(args.max_connections),
+             "--max-queued", str(args.max_queued)]
     if args.slot_size:
         extra += ["--slot-size", str(args.slot_size)]
     if args.no_prefault:
@@ -234,7 +236,9 @@ def format_status(st: dict) -> str:
         f"iod pid {st['pid']}  up {st['uptime_s']:.0f} s  socket {st['socket']}",
         f"arena {a['name']}  {a['bytes'] >> 20} MiB  {a['slot_count']} slots of {a['slot_size']} B  "
         + "  ".join(f"{k} {v}" for k, v in a["slots"].items()),
-        f"hits {c['hits']}  misses {c['misses']}  reads {c['reads']}  coalesced {c['coalesced']}  "
+        f"demands {c['demands']}  prefetch hints {c['prefetches']}  reads {c['reads']} "
+        f"(prefetch {c['prefetch_reads']}, unused {c['prefetched_unused']})  "
+        f"coalesced {c['coalesced']}  "
         f"bytes read {c['bytes_read'] / 1e6:.1f} MB  read {st['read_MBps']:.0f} MB/s while busy  "
         f"errors io {c['read_errors']} checksum {c['checksum_errors']}",
         "models:",
@@ -245,8 +249,8 @@ def format_status(st: dict) -> str:
     lines.append("sessions:")
     for s in st["sessions"]:
         lines.append(f"  #{s['id']} pid {s['pid']} model {s['model']}  pins {s['pins']}  "
-                     f"queued {s['queued']}  requests {s['requests']}  hits {s['hits']}  "
-                     f"misses {s['misses']}  {s['bytes'] / 1e6:.1f} MB")
+                     f"awaiting {s['awaiting']}  demands {s['demands']}  ready at demand "
+                     f"{s['hits']}  read {s['misses']}  {s['bytes'] / 1e6:.1f} MB granted")
     lines.append("latency (us):      n      p50      p90      p99")
     for k, v in st["latency_us"].items():
         lines.append(f"  {k:12s} {v['n']:8d} {v['p50']:8.0f} {v['p90']:8.0f} {v['p99']:8.0f}")

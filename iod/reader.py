@@ -172,6 +172,8 @@ class ReaderPool:
 
     def _finish(self, job: Job) -> None:
         self.done.put(job)
+        if self.wake_fd is None:  # the in-process source blocks on ``done`` itself
+            return
         try:
             os.write(self.wake_fd, b"r")
         except BlockingIOError:

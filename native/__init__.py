@@ -1,12 +1,19 @@
-"""Native helpers for iod: shm segments, acquire/release atomics, GIL-free preads."""
+"""Native helpers for iod: shm segments, atomics on shared words, pinning ready
+records, batched copies and GIL-free preads."""
 
 from ._iodnative import (  # noqa: F401
-    load_acquire_u32,
-    load_acquire_u64,
+    add_u32,
+    copy_regions,
+    load_u32,
+    load_u64,
+    pin_ready,
+    pinned,
     pread_full,
     shm_create,
     shm_open_readonly,
+    shm_open_rw,
     shm_unlink,
-    store_release_u32,
-    store_release_u64,
+    store_u32,
+    store_u64,
+    unpin,
 )

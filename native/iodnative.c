@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -23,40 +24,223 @@ static int get_word(PyObject *obj, Py_ssize_t offset, Py_ssize_t width,
     return 0;
 }
 
-static PyObject *load_acquire_u64(PyObject *self, PyObject *args) {
+/* Atomics on shared words, all sequentially consistent: pinning a slot and
+ * evicting it are a Dekker-style handshake (each side writes its word, then
+ * reads the other's), which needs store->load ordering on every CPU. */
+static PyObject *load_u64(PyObject *self, PyObject *args) {
     PyObject *obj; Py_ssize_t off; Py_buffer v; char *p;
     if (!PyArg_ParseTuple(args, "On", &obj, &off)) return NULL;
     if (get_word(obj, off, 8, 0, &v, &p) < 0) return NULL;
-    uint64_t x = __atomic_load_n((uint64_t *)p, __ATOMIC_ACQUIRE);
+    uint64_t x = __atomic_load_n((uint64_t *)p, __ATOMIC_SEQ_CST);
     PyBuffer_Release(&v);
     return PyLong_FromUnsignedLongLong(x);
 }
 
-static PyObject *store_release_u64(PyObject *self, PyObject *args) {
+static PyObject *store_u64(PyObject *self, PyObject *args) {
     PyObject *obj; Py_ssize_t off; unsigned long long x; Py_buffer v; char *p;
     if (!PyArg_ParseTuple(args, "OnK", &obj, &off, &x)) return NULL;
     if (get_word(obj, off, 8, 1, &v, &p) < 0) return NULL;
-    __atomic_store_n((uint64_t *)p, (uint64_t)x, __ATOMIC_RELEASE);
+    __atomic_store_n((uint64_t *)p, (uint64_t)x, __ATOMIC_SEQ_CST);
     PyBuffer_Release(&v);
     Py_RETURN_NONE;
 }
 
-static PyObject *load_acquire_u32(PyObject *self, PyObject *args) {
+static PyObject *load_u32(PyObject *self, PyObject *args) {
     PyObject *obj; Py_ssize_t off; Py_buffer v; char *p;
     if (!PyArg_ParseTuple(args, "On", &obj, &off)) return NULL;
     if (get_word(obj, off, 4, 0, &v, &p) < 0) return NULL;
-    uint32_t x = __atomic_load_n((uint32_t *)p, __ATOMIC_ACQUIRE);
+    uint32_t x = __atomic_load_n((uint32_t *)p, __ATOMIC_SEQ_CST);
     PyBuffer_Release(&v);
     return PyLong_FromUnsignedLong(x);
 }
 
-static PyObject *store_release_u32(PyObject *self, PyObject *args) {
+static PyObject *store_u32(PyObject *self, PyObject *args) {
     PyObject *obj; Py_ssize_t off; unsigned long x; Py_buffer v; char *p;
     if (!PyArg_ParseTuple(args, "Onk", &obj, &off, &x)) return NULL;
     if (get_word(obj, off, 4, 1, &v, &p) < 0) return NULL;
-    __atomic_store_n((uint32_t *)p, (uint32_t)x, __ATOMIC_RELEASE);
+    __atomic_store_n((uint32_t *)p, (uint32_t)x, __ATOMIC_SEQ_CST);
     PyBuffer_Release(&v);
     Py_RETURN_NONE;
+}
+
+/* add_u32(buffer, offset, delta) -> the word's new value */
+static PyObject *add_u32(PyObject *self, PyObject *args) {
+    PyObject *obj; Py_ssize_t off; long delta; Py_buffer v; char *p;
+    if (!PyArg_ParseTuple(args, "Onl", &obj, &off, &delta)) return NULL;
+    if (get_word(obj, off, 4, 1, &v, &p) < 0) return NULL;
+    uint32_t x = __atomic_add_fetch((uint32_t *)p, (uint32_t)delta, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLong(x);
+}
+
+/* Slot header fields (shared/slots.py SLOT_HEADER). */
+#define HDR_MODEL 4
+#define HDR_LAYER 8
+#define HDR_EXPERT 12
+#define HDR_GENERATION 16
+
+/* pin_ready(arena, pins, dir_offset, header_offset, slot_count, pin_offset,
+ *           ref_offset, model, layer, experts, slots_out, gens_out) -> hits
+ *
+ * For each expert (int32 array): look its slot up in the arena's directory
+ * (u32 words at dir_offset + 4 * expert: slot + 1, 0 = none), pin it by one
+ * in this session's pin row (u32 at pin_offset + 4 * slot), then re-read the
+ * slot's generation: unchanged and naming (model, layer, expert) means the
+ * daemon cannot have evicted it, since it re-checks pins after zeroing the
+ * generation. Writes the slot (or -1) and generation per expert, marks each
+ * hit's reference byte (ref_offset + slot) for the daemon's CLOCK sweep.
+ * No system call, no message. */
+static PyObject *pin_ready(PyObject *self, PyObject *args) {
+    PyObject *arena_o, *pins_o, *experts_o, *slots_o, *gens_o;
+    Py_ssize_t dir_off, hdr_off, slot_count, pin_off, ref_off;
+    unsigned long model, layer;
+    if (!PyArg_ParseTuple(args, "OOnnnnnkkOOO", &arena_o, &pins_o, &dir_off, &hdr_off,
+                          &slot_count, &pin_off, &ref_off, &model, &layer, &experts_o,
+                          &slots_o, &gens_o))
+        return NULL;
+    Py_buffer a, p, e, s, g;
+    if (PyObject_GetBuffer(arena_o, &a, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(pins_o, &p, PyBUF_WRITABLE) < 0) { PyBuffer_Release(&a); return NULL; }
+    if (PyObject_GetBuffer(experts_o, &e, PyBUF_SIMPLE) < 0) goto fail2;
+    if (PyObject_GetBuffer(slots_o, &s, PyBUF_WRITABLE) < 0) goto fail3;
+    if (PyObject_GetBuffer(gens_o, &g, PyBUF_WRITABLE) < 0) goto fail4;
+    Py_ssize_t n = e.len / 4;
+    if (s.len < n * 4 || g.len < n * 8 || slot_count <= 0 ||
+        hdr_off < 0 || hdr_off + 64 * slot_count > a.len || dir_off < 0 ||
+        pin_off < 0 || pin_off + 4 * slot_count > p.len || ref_off < 0 ||
+        ref_off + slot_count > p.len) {
+        PyErr_SetString(PyExc_ValueError, "pin_ready: offsets out of range");
+        goto fail5;
+    }
+    const int32_t *ex = (const int32_t *)e.buf;
+    int32_t *out = (int32_t *)s.buf;
+    uint64_t *gens = (uint64_t *)g.buf;
+    char *arena = (char *)a.buf, *pins = (char *)p.buf;
+    Py_ssize_t hits = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = -1;
+        gens[i] = 0;
+        Py_ssize_t d = dir_off + 4 * (Py_ssize_t)ex[i];
+        if (ex[i] < 0 || d + 4 > a.len) continue;
+        uint32_t idx = __atomic_load_n((uint32_t *)(arena + d), __ATOMIC_SEQ_CST);
+        if (idx == 0 || (Py_ssize_t)idx > slot_count) continue;
+        Py_ssize_t slot = idx - 1;
+        char *h = arena + hdr_off + 64 * slot;
+        uint64_t gen = __atomic_load_n((uint64_t *)(h + HDR_GENERATION), __ATOMIC_SEQ_CST);
+        if (gen == 0) continue;
+        uint32_t *pin = (uint32_t *)(pins + pin_off + 4 * slot);
+        __atomic_add_fetch(pin, 1, __ATOMIC_SEQ_CST);
+        uint64_t again = __atomic_load_n((uint64_t *)(h + HDR_GENERATION), __ATOMIC_SEQ_CST);
+        if (again != gen || *(uint32_t *)(h + HDR_MODEL) != model ||
+            *(uint32_t *)(h + HDR_LAYER) != layer || *(uint32_t *)(h + HDR_EXPERT) != (uint32_t)ex[i]) {
+            __atomic_sub_fetch(pin, 1, __ATOMIC_SEQ_CST);
+            continue;
+        }
+        __atomic_store_n((uint8_t *)(pins + ref_off + slot), 1, __ATOMIC_RELAXED);
+        out[i] = (int32_t)slot;
+        gens[i] = gen;
+        hits++;
+    }
+    PyBuffer_Release(&g); PyBuffer_Release(&s); PyBuffer_Release(&e);
+    PyBuffer_Release(&p); PyBuffer_Release(&a);
+    return PyLong_FromSsize_t(hits);
+fail5: PyBuffer_Release(&g);
+fail4: PyBuffer_Release(&s);
+fail3: PyBuffer_Release(&e);
+fail2: PyBuffer_Release(&p); PyBuffer_Release(&a);
+    return NULL;
+}
+
+/* unpin(pins, pin_offset, slot_count, slots) -> unpinned: drop one pin per
+ * slot >= 0 (int32 array) of this session's row. */
+static PyObject *unpin(PyObject *self, PyObject *args) {
+    PyObject *pins_o, *slots_o; Py_ssize_t pin_off, slot_count; Py_buffer p, s;
+    if (!PyArg_ParseTuple(args, "OnnO", &pins_o, &pin_off, &slot_count, &slots_o)) return NULL;
+    if (PyObject_GetBuffer(pins_o, &p, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(slots_o, &s, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&p); return NULL; }
+    if (pin_off < 0 || pin_off + 4 * slot_count > p.len) {
+        PyBuffer_Release(&s); PyBuffer_Release(&p);
+        PyErr_SetString(PyExc_ValueError, "unpin: row out of range");
+        return NULL;
+    }
+    const int32_t *sl = (const int32_t *)s.buf;
+    Py_ssize_t n = s.len / 4, done = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sl[i] < 0 || sl[i] >= slot_count) continue;
+        uint32_t *pin = (uint32_t *)((char *)p.buf + pin_off + 4 * (Py_ssize_t)sl[i]);
+        /* never below zero: a row the daemon cleared (session ended) stays clear */
+        uint32_t old = __atomic_load_n(pin, __ATOMIC_SEQ_CST);
+        while (old > 0 && !__atomic_compare_exchange_n(pin, &old, old - 1, 0,
+                                                        __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {}
+        if (old > 0) done++;
+    }
+    PyBuffer_Release(&s); PyBuffer_Release(&p);
+    return PyLong_FromSsize_t(done);
+}
+
+/* pinned(pins, row_bytes, rows, slot) -> the pin count of ``slot`` summed
+ * over every row: the daemon's second look after it unpublished the slot. */
+static PyObject *pinned(PyObject *self, PyObject *args) {
+    PyObject *pins_o; Py_ssize_t row_bytes, rows, slot; Py_buffer p;
+    if (!PyArg_ParseTuple(args, "Onnn", &pins_o, &row_bytes, &rows, &slot)) return NULL;
+    if (PyObject_GetBuffer(pins_o, &p, PyBUF_SIMPLE) < 0) return NULL;
+    if (slot < 0 || rows < 0 || row_bytes < 4 * (slot + 1) || row_bytes * rows > p.len) {
+        PyBuffer_Release(&p);
+        PyErr_SetString(PyExc_ValueError, "pinned: out of range");
+        return NULL;
+    }
+    unsigned long long total = 0;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        total += __atomic_load_n((uint32_t *)((char *)p.buf + r * row_bytes + 4 * slot),
+                                 __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&p);
+    return PyLong_FromUnsignedLongLong(total);
+}
+
+/* copy_regions(dsts, src, plan) -> bytes copied. plan: int64 rows of
+ * (dst index, dst offset, src offset, nbytes); one call copies a layer's
+ * records into its tensors, without the GIL. */
+static PyObject *copy_regions(PyObject *self, PyObject *args) {
+    PyObject *dsts_o, *src_o, *plan_o;
+    if (!PyArg_ParseTuple(args, "OOO", &dsts_o, &src_o, &plan_o)) return NULL;
+    PyObject *seq = PySequence_Fast(dsts_o, "dsts must be a sequence of buffers");
+    if (!seq) return NULL;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *d = PyMem_Calloc(nd ? nd : 1, sizeof(Py_buffer));
+    Py_buffer src, plan;
+    Py_ssize_t got = 0, total = 0;
+    PyObject *res = NULL;
+    if (!d) { Py_DECREF(seq); return PyErr_NoMemory(); }
+    for (; got < nd; got++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &d[got], PyBUF_WRITABLE) < 0)
+            goto out;
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) goto out;
+    if (PyObject_GetBuffer(plan_o, &plan, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&src); goto out; }
+    const int64_t *row = (const int64_t *)plan.buf;
+    Py_ssize_t rows = plan.len / 32;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        int64_t di = row[4 * i], doff = row[4 * i + 1], soff = row[4 * i + 2], n = row[4 * i + 3];
+        if (di < 0 || di >= nd || doff < 0 || soff < 0 || n < 0 ||
+            doff + n > d[di].len || soff + n > src.len) {
+            PyErr_SetString(PyExc_ValueError, "copy_regions: region out of range");
+            PyBuffer_Release(&plan); PyBuffer_Release(&src);
+            goto out;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        int64_t di = row[4 * i], doff = row[4 * i + 1], soff = row[4 * i + 2], n = row[4 * i + 3];
+        memcpy((char *)d[di].buf + doff, (const char *)src.buf + soff, (size_t)n);
+        total += n;
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&plan); PyBuffer_Release(&src);
+    res = PyLong_FromSsize_t(total);
+out:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&d[i]);
+    PyMem_Free(d);
+    Py_DECREF(seq);
+    return res;
 }
 
 /* pread_full(fd, buffer, buf_offset, nbytes, file_offset) -> bytes read.
@@ -119,6 +303,15 @@ static PyObject *shm_open_readonly(PyObject *self, PyObject *args) {
     return PyLong_FromLong(fd);
 }
 
+/* shm_open_rw(name) -> fd: a session's read-write handle on the pin table. */
+static PyObject *shm_open_rw(PyObject *self, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    int fd = shm_open(name, O_RDWR, 0);
+    if (fd < 0) return PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+    return PyLong_FromLong(fd);
+}
+
 /* shm_unlink(name) -> bool: False when it did not exist. */
 static PyObject *shm_unlink_(PyObject *self, PyObject *args) {
     const char *name;
@@ -131,13 +324,19 @@ static PyObject *shm_unlink_(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"load_acquire_u64", load_acquire_u64, METH_VARARGS, "Acquire-load a u64 word."},
-    {"store_release_u64", store_release_u64, METH_VARARGS, "Release-store a u64 word."},
-    {"load_acquire_u32", load_acquire_u32, METH_VARARGS, "Acquire-load a u32 word."},
-    {"store_release_u32", store_release_u32, METH_VARARGS, "Release-store a u32 word."},
+    {"load_u64", load_u64, METH_VARARGS, "Load a u64 word (seq_cst)."},
+    {"store_u64", store_u64, METH_VARARGS, "Store a u64 word (seq_cst)."},
+    {"load_u32", load_u32, METH_VARARGS, "Load a u32 word (seq_cst)."},
+    {"store_u32", store_u32, METH_VARARGS, "Store a u32 word (seq_cst)."},
+    {"add_u32", add_u32, METH_VARARGS, "Add to a u32 word (seq_cst); returns the new value."},
+    {"pin_ready", pin_ready, METH_VARARGS, "Pin ready records found in the arena's directory."},
+    {"unpin", unpin, METH_VARARGS, "Drop one pin per slot of a session's row."},
+    {"pinned", pinned, METH_VARARGS, "A slot's pins summed over every row."},
+    {"copy_regions", copy_regions, METH_VARARGS, "memcpy a plan of regions without the GIL."},
     {"pread_full", pread_full, METH_VARARGS, "pread into a buffer without the GIL."},
     {"shm_create", shm_create, METH_VARARGS, "Create a 0600 POSIX shm segment."},
     {"shm_open_readonly", shm_open_readonly, METH_VARARGS, "Open a shm segment read-only."},
+    {"shm_open_rw", shm_open_rw, METH_VARARGS, "Open a shm segment read-write."},
     {"shm_unlink", shm_unlink_, METH_VARARGS, "Unlink a shm segment."},
     {NULL, NULL, 0, NULL},
 };

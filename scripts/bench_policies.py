@@ -29,11 +29,11 @@ def record(model_dir, tokens):
     from infer.bench import decode, forced_ids
     from infer.loader import load_streaming
     from infer.run import encode_prompt
-    from infer.sources import SyncSource
+    from iod.inproc import InprocSource
     from shared.blob import Manifest
 
     manifest = Manifest.load(model_dir)
-    source = SyncSource(model_dir)
+    source = InprocSource(model_dir)
     model, tok, store = load_streaming(model_dir, source, manifest.expert_bytes)
     store.depth = 0
     traces = {}

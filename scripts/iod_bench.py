@@ -114,33 +114,33 @@ def plain_read(folder: Path, m: Manifest, keys, threads: int, checksum=False) ->
 def daemon_read(raw, hello, m: Manifest, keys, window: int) -> float:
     """Bytes/s the daemon read from disk (its own bytes_read counter, so
     records still in the arena from an earlier run count for nothing) while
-    serving prefetches of the records with ``window`` outstanding; each Ready
-    is released at once."""
+    serving single-record DEMANDs with ``window`` outstanding; each grant is
+    unpinned at once."""
+    from tests.iod_fixtures import unpin_refs
+
     before = raw.rt(P.Stats(raw.req())).stats["counters"]["bytes_read"]
     lay = {l.layer: l for l in m.layers}
     it = iter(keys)
-    out = 0
-    done = 0
+    out = nbytes = 0
+
+    def ask():
+        k = next(it, None)
+        if k is None:
+            return 0
+        raw.send(P.Demand(raw.req(), hello.model_id, k[0], [k[1]], 0))
+        return 1
+
     t0 = time.perf_counter()
     for _ in range(window):
-        k = next(it, None)
-        if k is not None:
-            raw.send(P.Prefetch(raw.req(), hello.model_id, k[0], [k[1]]))
-            out += 1
-    nbytes = 0
+        out += ask()
     while out:
         msg = raw.recv()
-        if isinstance(msg, P.Ready):
-            out -= 1
-            done += 1
-            nbytes += lay[msg.layer].stride
-            raw.send(P.Release(raw.req(), [msg.slot[1:3]]))
-            k = next(it, None)
-            if k is not None:
-                raw.send(P.Prefetch(raw.req(), hello.model_id, k[0], [k[1]]))
-                out += 1
-        elif isinstance(msg, (P.Error, P.PrefetchFailed)):
+        if not isinstance(msg, P.DemandOk):
             raise RuntimeError(f"daemon error: {msg}")
+        out -= 1
+        nbytes += lay[msg.layer].stride
+        unpin_refs(hello, msg.refs)
+        out += ask()
     dt = time.perf_counter() - t0
     read = raw.rt(P.Stats(raw.req())).stats["counters"]["bytes_read"] - before
     assert read >= 0.9 * nbytes, f"only {read} of {nbytes} bytes came from disk"
@@ -148,35 +148,34 @@ def daemon_read(raw, hello, m: Manifest, keys, window: int) -> float:
 
 
 def latency(client, keys, n: int):
-    """Client-measured send->receive and daemon received->sent, in us: for each
-    of n records never read before, a fetch (a disk read), a release, and a
-    second fetch of it (an arena hit just after a read); then arena hits back to
-    back (a hot loop over records already in the arena)."""
+    """Client-measured request -> ready, and the daemon's received -> sent, in
+    us: for each of n records never read before, a read (a demand and a disk
+    read), then the same record again (an arena hit: the session alone, no
+    message); then arena hits back to back over records already there."""
     client.hop_log.clear()
     for layer, e in keys[:n]:
         for _ in range(2):
-            client.fetch(layer, [e])
-            client.release(layer, [e])
+            client.fetch_into(layer, [e], lambda batch: None)
     logs = {"disk": client.hop_log[0::2], "hit": client.hop_log[1::2]}
-    # and back to back: the last 16 records (all in the arena), over and over
     client.hop_log.clear()
     for _ in range(max(n // 16, 1)):
         for layer, e in keys[n - 16:n]:
-            client.fetch(layer, [e])
-            client.release(layer, [e])
+            client.fetch_into(layer, [e], lambda batch: None)
     logs["hit_back_to_back"] = list(client.hop_log)
-    assert all(h["read_start"] for h in logs["disk"]), "expected disk reads"
-    assert not any(h["read_start"] for h in logs["hit"] + logs["hit_back_to_back"]), \
+    assert all(h["kind"] == "demand" and h["read_start"] for h in logs["disk"]), \
+        "expected disk reads"
+    assert all(h["kind"] == "hit" for h in logs["hit"] + logs["hit_back_to_back"]), \
         "expected arena hits"
     out = {}
     for name, log in logs.items():
         rt = np.array([h["client_recv"] - h["client_send"] for h in log]) / 1e3
-        dm = np.array([h["sent"] - h["received"] for h in log]) / 1e3
-        out[name] = {"n": len(rt),
-                     "client_p50_us": round(float(np.percentile(rt, 50)), 1),
-                     "client_p99_us": round(float(np.percentile(rt, 99)), 1),
-                     "daemon_p50_us": round(float(np.percentile(dm, 50)), 1),
-                     "daemon_p99_us": round(float(np.percentile(dm, 99)), 1)}
+        row = {"n": len(rt), "client_p50_us": round(float(np.percentile(rt, 50)), 1),
+               "client_p99_us": round(float(np.percentile(rt, 99)), 1)}
+        if name == "disk":
+            dm = np.array([h["sent"] - h["received"] for h in log]) / 1e3
+            row["daemon_p50_us"] = round(float(np.percentile(dm, 50)), 1)
+            row["daemon_p99_us"] = round(float(np.percentile(dm, 99)), 1)
+        out[name] = row
     return out
 
 
@@ -186,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gb", type=float, default=1.5)
     ap.add_argument("--record-mb", type=float, default=2.0)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--window", type=int, default=0, help="outstanding prefetches (default 4x workers)")
+    ap.add_argument("--window", type=int, default=0, help="outstanding demands (default 4x workers)")
     ap.add_argument("--arena", default="64M",
                     help="small, so few records of one run are still there for the next")
     ap.add_argument("--hashers", type=int, default=2, help="the daemon's --hashers")

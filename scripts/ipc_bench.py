@@ -6,16 +6,18 @@
 Each session is its own process with an ``IodClient`` (the client the
 streaming modules use) on one shared daemon. Per request it measures
 
-- request → ready: the client sends ACQUIRE, the daemon's AcquireOk arrives
-  (``client_send`` → ``client_recv`` hop stamps);
-- request → MLX array: from the call to ``fetch`` until the record is an
-  evaluated ``mx.array`` (``record_to_arrays``, as the streaming modules copy it).
+- request → ready: an arena hit is looked up and pinned by the session alone
+  (no message); a miss is a DEMAND and its DEMAND_OK (``client_send`` →
+  ``client_recv`` hop stamps);
+- request → MLX array: from the call to ``fetch_into`` until the record is in
+  a layer stack's MLX arrays (``LayerStack.copy_in``, the streaming modules'
+  own copy), and, beside it, a plain ``numpy.copyto`` of as many bytes.
 
 Arena hits: all sessions cycle over a hot set read in beforehand. Disk reads:
 each session cycles over its own share of a cold set twice the arena's size,
-so LRU eviction makes every request a read; each sample is classified by the
-daemon's own stamps (read_start set or not), never by intent. Hits and reads
-are measured in separate phases, all sessions starting together.
+so eviction makes every request a read; each sample is classified by its hop
+stamps (a demand with read_start set, or an arena hit), never by intent.
+Hits and reads are measured in separate phases, all sessions starting together.
 
 The default record size is one Qwen3-30B-A3B expert at 4 bits (gate, up and
 down projections of 768×2048 with bf16 scales and biases: 2,654,208 bytes).
@@ -66,36 +68,44 @@ def _session(model, sock, index, n_sessions, hits, misses, run, barrier, out):
     import mlx.core as mx
 
     from infer.client import IodClient
-    from infer.streaming import record_to_arrays
+    from infer.streaming import LayerStack
 
     m = Manifest.load(model)
     hot_l, cold_l = m.layers
     c = IodClient(model, iod=sock, profile=True)
+    stacks = {0: LayerStack(hot_l, 1), 1: LayerStack(cold_l, 1)}
+    # as many source buffers as hot records, so the plain copy's source is as
+    # cold in the CPU caches as the arena's
+    plain_src = [np.ones(hot_l.record_bytes, np.uint8) for _ in range(hot_l.num_experts)]
+    plain_dst = np.empty_like(plain_src[0])
 
-    def one(layer, layout, e):
+    def one(layer, e):
         t0 = time.monotonic_ns()
-        rec = c.fetch(layer, [e])[e]
-        t_view = time.monotonic_ns()
-        arrays = record_to_arrays(layout, rec)
-        mx.eval(list(arrays.values()))
+        n = len(c.hop_log)
+        c.fetch_into(layer, [e], lambda batch: stacks[layer].copy_in(batch, [0]))
+        mx.eval(list(stacks[layer].arrays.values()))
         t1 = time.monotonic_ns()
-        c.release(layer, [e])
-        h = c.hop_log[-1]
-        return ((h["client_recv"] - h["client_send"]) / 1e3, (t1 - t0) / 1e3,
-                bool(h["read_start"]), (h["sent"] - h["received"]) / 1e3, (t1 - t_view) / 1e3)
+        h = c.hop_log[n]
+        read = h["kind"] == "demand" and bool(h["read_start"])
+        held = (h["sent"] - h["received"]) / 1e3 if h["kind"] == "demand" else 0.0
+        p0 = time.monotonic_ns()
+        np.copyto(plain_dst, plain_src[e % len(plain_src)])
+        plain = (time.monotonic_ns() - p0) / 1e3
+        return ((h["client_recv"] - h["client_send"]) / 1e3, (t1 - t0) / 1e3, read, held,
+                (t1 - h["client_recv"]) / 1e3, plain, h["kind"] == "hit")
 
     samples = {"hit": [], "miss": []}
     for e in range(hot_l.num_experts):  # warm up; reads back a hot set a previous run evicted
-        one(0, hot_l, e)
+        one(0, e)
     c.hop_log.clear()
     barrier.wait()
     for i in range(hits):
-        samples["hit"].append(one(0, hot_l, (i + index) % hot_l.num_experts))
+        samples["hit"].append(one(0, (i + index) % hot_l.num_experts))
     barrier.wait()
     mine = list(range(index, cold_l.num_experts, n_sessions))
     for i in range(misses):
         # later runs go on through the cold set: what earlier runs read may still be cached
-        samples["miss"].append(one(1, cold_l, mine[(run * misses + i) % len(mine)]))
+        samples["miss"].append(one(1, mine[(run * misses + i) % len(mine)]))
     c.close()
     out.put((index, samples))
 
@@ -118,16 +128,19 @@ def measure(model, sock, n, hits, misses, ctx, run=0):
     mlx = {"hit": [], "miss": []}
     daemon = {"hit": [], "miss": []}
     copy = {"hit": [], "miss": []}
-    wrong = 0
+    plain = {"hit": [], "miss": []}
+    wrong = arena = 0
     for _, s in results:
         for phase, rows in s.items():
-            for rtt, to_mlx, was_read, held, copied in rows:
+            for rtt, to_mlx, was_read, held, copied, plain_us, arena_hit in rows:
                 kind = "miss" if was_read else "hit"
                 wrong += kind != phase
+                arena += arena_hit and phase == "hit"
                 ready[kind].append(rtt)
                 mlx[kind].append(to_mlx)
                 daemon[kind].append(held)
                 copy[kind].append(copied)
+                plain[kind].append(plain_us)
     row = {}
     for kind in ("hit", "miss"):
         row[f"{kind}_p50_us"] = _pct(ready[kind], 50)
@@ -136,10 +149,12 @@ def measure(model, sock, n, hits, misses, ctx, run=0):
         row[f"{kind}_mlx_p99_us"] = _pct(mlx[kind], 99)
         row[f"{kind}_daemon_p50_us"] = _pct(daemon[kind], 50)  # received → sent in iod
         row[f"{kind}_daemon_p99_us"] = _pct(daemon[kind], 99)
-        row[f"{kind}_copy_p50_us"] = _pct(copy[kind], 50)  # slot view → evaluated mx.array
+        row[f"{kind}_copy_p50_us"] = _pct(copy[kind], 50)  # ready → in the stack's MLX arrays
         row[f"{kind}_copy_p99_us"] = _pct(copy[kind], 99)
+        row[f"{kind}_plain_copy_p50_us"] = _pct(plain[kind], 50)  # numpy.copyto, same bytes
         row[f"{kind}_n"] = len(ready[kind])
     row["misclassified"] = wrong  # samples whose kind differed from the phase's intent
+    row["arena_hits"] = arena  # hit-phase requests served with no message
     return row
 
 
@@ -178,8 +193,7 @@ def main(argv=None) -> int:
             from infer.client import IodClient
 
             with IodClient(work / "model", iod=str(sock)) as c:  # the hot set into the arena
-                c.fetch(0, range(hot))
-                c.release(0, range(hot))
+                c.read(0, range(hot))
                 st = c.stats()
                 result["read_mode"] = st["models"][0]["read_mode"]
             for n in [int(x) for x in args.sessions.split(",")]:

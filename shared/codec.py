@@ -1,8 +1,10 @@
 """Encoding of protocol messages into frames, and the strict decoder.
 
-A message is two frames: ``bytes([kind])`` and a msgpack map of its fields.
+A message is two frames: ``bytes([kind])`` and a msgpack map of its fields;
+a field whose type is itself a message type (``SlotRef``) is a nested map.
 The decoder checks the kind, the exact set of fields and every field's type,
-and refuses msgpack ExtTypes; anything else raises ``DecodeError``.
+nested maps included, and refuses msgpack ExtTypes; anything else raises
+``DecodeError``.
 """
 
 import dataclasses
@@ -36,8 +38,16 @@ def _no_ext(code, data):
 
 def encode(msg) -> list:
     kind = _KIND_OF[type(msg)]
-    body = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    return [bytes([kind]), msgpack.packb(body, use_bin_type=True)]
+    return [bytes([kind]), msgpack.packb(_plain(msg), use_bin_type=True)]
+
+
+def _plain(value):
+    """A message as nested dicts and lists."""
+    if dataclasses.is_dataclass(value):
+        return {name: _plain(getattr(value, name)) for name in _NAMES[type(value)]}
+    if type(value) is list and value and dataclasses.is_dataclass(value[0]):
+        return [_plain(v) for v in value]
+    return value
 
 
 def kind_of(msg) -> int:
@@ -76,17 +86,23 @@ def decode(frames) -> object:
         raise DecodeError(f"bad msgpack body: {type(e).__name__}") from None
     except Exception as e:
         raise DecodeError(f"bad msgpack body: {type(e).__name__}") from None
-    cls = MESSAGE_TYPES[kind]
+    return _build(MESSAGE_TYPES[kind], fields, MESSAGE_TYPES[kind].__name__)
+
+
+def _build(cls, fields, where):
+    """``cls`` from a decoded map, every field checked."""
     if not isinstance(fields, dict):
-        raise DecodeError(f"{cls.__name__} body must be a map")
-    expected = _FIELDS[cls]
+        raise DecodeError(f"{where} must be a map")
+    expected = _fields(cls)
     if fields.keys() != expected.keys():
         missing = sorted(set(expected) - set(fields))
         extra = sorted(map(str, set(fields) - set(expected)))
-        raise DecodeError(f"{cls.__name__}: missing {missing}, extra {extra}")
-    for name, check in _CHECKS[cls].items():
+        raise DecodeError(f"{where}: missing {missing}, extra {extra}")
+    for name, check in _checks(cls).items():
         if not check(fields[name]):  # fast path; the slow one says where it failed
-            _check(fields[name], expected[name], f"{cls.__name__}.{name}")
+            _check(fields[name], expected[name], f"{where}.{name}")
+    for name, item in _NESTED.get(cls, {}).items():
+        fields[name] = [_build(item, v, f"{where}.{name}[{i}]") for i, v in enumerate(fields[name])]
     return cls(**fields)
 
 
@@ -103,6 +119,8 @@ def _compile(tp):
         return lambda v: type(v) is dict
     if tp is object:
         return lambda v: True
+    if dataclasses.is_dataclass(tp):
+        return lambda v: type(v) is dict  # checked field by field in _build
     if origin is list:
         (item,) = typing.get_args(tp)
         if item is int:
@@ -134,10 +152,39 @@ def _check(value, tp, where):
             raise DecodeError(f"{where}: expected map")
     elif tp is object:
         pass
+    elif dataclasses.is_dataclass(tp):
+        if type(value) is not dict:
+            raise DecodeError(f"{where}: expected map")
     else:
         raise TypeError(f"unsupported field type {tp} at {where}")
 
 
+def _fields(cls):
+    if cls not in _FIELDS:
+        _FIELDS[cls] = typing.get_type_hints(cls)
+    return _FIELDS[cls]
+
+
+def _checks(cls):
+    if cls not in _CHECKS:
+        _CHECKS[cls] = {n: _compile(tp) for n, tp in _fields(cls).items()}
+    return _CHECKS[cls]
+
+
+def _nested(cls):
+    """{field: item type} of the fields that are lists of message types."""
+    out = {}
+    for name, tp in _fields(cls).items():
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+            out[name] = args[0]
+    return out
+
+
 _KIND_OF = {cls: kind for kind, cls in MESSAGE_TYPES.items()}
-_FIELDS = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
-_CHECKS = {cls: {n: _compile(tp) for n, tp in f.items()} for cls, f in _FIELDS.items()}
+_FIELDS, _CHECKS = {}, {}
+_NESTED = {cls: n for cls in MESSAGE_TYPES.values() if (n := _nested(cls))}
+_NAMES = {}
+for _cls in list(MESSAGE_TYPES.values()) + [t for n in _NESTED.values() for t in n.values()]:
+    _NAMES[_cls] = tuple(f.name for f in dataclasses.fields(_cls))
+    _checks(_cls)

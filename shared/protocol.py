@@ -2,40 +2,43 @@
 
 Nothing else lives here. Encoding and the strict decoder are in
 ``shared.codec``. A message travels as two ZeroMQ frames: the kind as one
-byte, then the msgpack body (a map of the message's fields).
+byte, then the msgpack body (a map of the message's fields; a nested
+message type, such as ``SlotRef``, travels as a map too).
 
 Rules: kind values and error codes are fixed by hand and never reordered or
-reused; every request carries ``req_id`` and gets exactly one terminal reply
-(``Ok``, a typed reply such as ``HelloOk``, or ``Error``); notifications
-(``Ready``, ``Shutdown``) carry no ``req_id`` of the client's.
+reused (retired ones are listed, not recycled). A *call* (HELLO, DEMAND,
+STATS, BYE) carries ``req_id`` and gets exactly one terminal reply (its typed
+reply, ``Ok``, or ``Error``). A *hint* (PREFETCH) gets no reply unless it is
+malformed. Notifications (``Shutdown``) carry no ``req_id``.
+
+What does not travel: an arena hit. A session finds ready records in the
+arena's directory and pins them in its pin-table row itself
+(``shared.slots``); the socket carries predictions, one demand per layer
+call for the records that are not ready, and the session's hello and bye.
 """
 
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Dict, List
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class MsgKind(IntEnum):
-    # requests (client -> daemon)
+    # requests (client -> daemon); retired: ACQUIRE = 3, RELEASE = 4, CANCEL = 5
     HELLO = 1
     PREFETCH = 2
-    ACQUIRE = 3
-    RELEASE = 4
-    CANCEL = 5
     STATS = 6
     BYE = 7
-    # terminal replies (daemon -> client)
+    DEMAND = 8
+    # terminal replies (daemon -> client); retired: ACQUIRE_OK = 35
     OK = 32
     ERROR = 33
     HELLO_OK = 34
-    ACQUIRE_OK = 35
     STATS_OK = 36
-    # notifications (daemon -> client)
-    READY = 64
+    DEMAND_OK = 37
+    # notifications (daemon -> client); retired: READY = 64, PREFETCH_FAILED = 66
     SHUTDOWN = 65
-    PREFETCH_FAILED = 66
 
 
 class ErrorCode(IntEnum):
@@ -56,60 +59,60 @@ class ErrorCode(IntEnum):
     PERMISSION = 15
     INTERNAL = 16
     QUEUE_FULL = 17
+    MODEL_CHANGED = 18
 
 
-# A slot reference: where one expert record lies in the arena.
-# Fields: expert, slot, generation, size, then the daemon's monotonic
-# timestamps in ns: [received, queued, read_start, read_end, sent]
-# (read_start == read_end == 0 for an arena hit).
-SlotRef = List[int]
+@dataclass(frozen=True)
+class SlotRef:
+    """Where one ready expert record lies in the arena, pinned for the session."""
+
+    expert: int
+    slot: int
+    generation: int
+    size: int
 
 
 @dataclass(frozen=True)
 class Hello:
+    """Open a session on a prep folder. ``manifest_hash`` is the hash of the
+    manifest the session loaded; a daemon that reads another refuses
+    (MODEL_CHANGED). ``working_set``: records one layer call needs at least
+    (the model's top-k), which the daemon must be able to pin for every session.
+    ``profile``: reply with per-record timestamps."""
+
     req_id: int
     version: int
     pid: int
     model_dir: str
+    manifest_hash: str
+    working_set: int
+    profile: bool
 
 
 @dataclass(frozen=True)
 class Prefetch:
-    """Ask for records to be read; each is pinned for the session and
-    announced by a ``Ready`` notification when it lands."""
+    """A hint: read these records of ``layer`` ahead; they are expected to be
+    used at the session's layer call number ``due``. ``now`` is the session's
+    current call number: queued prefetches due before it are dropped."""
 
     req_id: int
     model_id: int
     layer: int
     experts: List[int]
+    now: int
+    due: int
 
 
 @dataclass(frozen=True)
-class Acquire:
-    """Pin records; answered by ``AcquireOk`` once all are ready."""
+class Demand:
+    """Records of ``layer`` this layer call needs and did not find ready.
+    Answered by ``DemandOk`` once each granted record is read and pinned."""
 
     req_id: int
     model_id: int
     layer: int
     experts: List[int]
-    demand: bool
-
-
-@dataclass(frozen=True)
-class Release:
-    """Drop pins: a list of [slot, generation] pairs."""
-
-    req_id: int
-    slots: List[List[int]]
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """Drop the session's queued prefetches (layer -1: of every layer)."""
-
-    req_id: int
-    model_id: int
-    layer: int
+    now: int
 
 
 @dataclass(frozen=True)
@@ -139,22 +142,36 @@ class Error:
 
 @dataclass(frozen=True)
 class HelloOk:
+    """The session's arena and pin-table handles. ``dir_base``: the model's
+    first directory entry (its layers follow in manifest order, each
+    ``num_experts`` entries). ``pin_row``: the session's row of the pin table."""
+
     req_id: int
     session_id: int
     model_id: int
     daemon_pid: int
     shm_name: str
+    pins_name: str
+    pin_row: int
+    pin_rows: int
     slot_size: int
     slot_count: int
-    data_offset: int
+    dir_base: int
     manifest_hash: str
 
 
 @dataclass(frozen=True)
-class AcquireOk:
+class DemandOk:
+    """Records granted, each pinned once in the session's row (the session
+    unpins them). Fewer than asked when the session's share of the arena is
+    used up: the session copies these, unpins, and asks for the rest.
+    ``stamps``, only for profiling sessions: per ref, the daemon's monotonic
+    ns [received, queued, read_start, read_end, sent] (reads 0 for a hit)."""
+
     req_id: int
     layer: int
-    slots: List[SlotRef]
+    refs: List[SlotRef]
+    stamps: List[List[int]]
 
 
 @dataclass(frozen=True)
@@ -164,55 +181,24 @@ class StatsOk:
 
 
 @dataclass(frozen=True)
-class Ready:
-    model_id: int
-    layer: int
-    slot: SlotRef
-
-
-@dataclass(frozen=True)
 class Shutdown:
     reason: str
-
-
-@dataclass(frozen=True)
-class PrefetchFailed:
-    """A prefetched record could not be read; the session holds no pin on
-    it and a later request reads it again."""
-
-    model_id: int
-    layer: int
-    expert: int
-    code: int
-    message: str
 
 
 MESSAGE_TYPES = {
     MsgKind.HELLO: Hello,
     MsgKind.PREFETCH: Prefetch,
-    MsgKind.ACQUIRE: Acquire,
-    MsgKind.RELEASE: Release,
-    MsgKind.CANCEL: Cancel,
     MsgKind.STATS: Stats,
     MsgKind.BYE: Bye,
+    MsgKind.DEMAND: Demand,
     MsgKind.OK: Ok,
     MsgKind.ERROR: Error,
     MsgKind.HELLO_OK: HelloOk,
-    MsgKind.ACQUIRE_OK: AcquireOk,
     MsgKind.STATS_OK: StatsOk,
-    MsgKind.READY: Ready,
+    MsgKind.DEMAND_OK: DemandOk,
     MsgKind.SHUTDOWN: Shutdown,
-    MsgKind.PREFETCH_FAILED: PrefetchFailed,
 }
 
 REQUEST_KINDS = frozenset(
-    {
-        MsgKind.HELLO,
-        MsgKind.PREFETCH,
-        MsgKind.ACQUIRE,
-        MsgKind.RELEASE,
-        MsgKind.CANCEL,
-        MsgKind.STATS,
-        MsgKind.BYE,
-    }
+    {MsgKind.HELLO, MsgKind.PREFETCH, MsgKind.STATS, MsgKind.BYE, MsgKind.DEMAND}
 )

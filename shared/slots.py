@@ -1,26 +1,45 @@
-"""The arena's memory layout: arena header, slot header table, slot data.
+"""The arena's memory layout, and the pin table's.
 
-    [0, 4096)                      arena header (ARENA_HEADER)
-    [4096, 4096 + 64 * slot_count) one SLOT_HEADER per slot
-    [data_offset, ...)             slot i's data at data_offset + i * slot_size
+Arena (one POSIX shm segment, written by the daemon, mapped read-only by sessions):
+
+    [0, 4096)                 arena header (ARENA_HEADER, then the live words)
+    [4096, headers_offset)    directory: one u32 per (model, layer, expert) a
+                              model was given at open; slot + 1, or 0 = not ready
+    [headers_offset, ...)     one SLOT_HEADER per slot (64 bytes)
+    [data_offset, ...)        slot i's data at data_offset + i * slot_size
 
 Slot data starts on 4096-byte boundaries, so O_DIRECT reads land in place.
-The daemon writes a slot header's fields, then publishes its ``generation``
-with a release store; a client loads ``generation`` with an acquire load
-(``native``) and rejects the bytes when it differs from its slot reference.
+
+Pin table (a second segment, mapped read-write by sessions): one row per
+session, ``slot_count`` u32 pin counts then ``slot_count`` reference bytes.
+
+A ready record is published by writing its slot header, then its generation,
+then its directory word. A session pins it by adding one to its own row's
+word for the slot and re-reading the generation (``native.pin_ready``); the
+daemon evicts by zeroing the generation and the directory word, then
+re-reading every live row's pin: whichever side comes second sees the other
+(all these accesses are sequentially consistent). Reference bytes tell the
+daemon's CLOCK sweep which slots sessions hit.
 """
 
 import struct
+from dataclasses import dataclass
 
 from .blob import round_up
 
 ARENA_MAGIC = 0x494F4441  # "IODA"
-ARENA_VERSION = 1
+ARENA_VERSION = 2
 PAGE = 4096
 SLOT_HEADER_BYTES = 64
+DIR_ENTRIES = 1 << 18  # (layer, expert) words of every open model, 1 MiB
 
-# magic, version, slot_size, slot_count, data_offset, daemon pid
-ARENA_HEADER = struct.Struct("<IIQQQQ")
+# magic, version, slot_size, slot_count, data_offset, daemon pid,
+# dir_offset, dir_entries, headers_offset
+ARENA_HEADER = struct.Struct("<IIQQQQQQQ")
+HEARTBEAT_OFFSET = 128  # u64, bumped by the daemon's loop at least every LOOP_TICK_S
+READS_DONE_OFFSET = 136  # u64, completed reads: tells a busy daemon from a stuck one
+LOOP_TICK_S = 0.1
+
 # state, model_id, layer, expert, generation, checksum, size
 SLOT_HEADER = struct.Struct("<IIIIQQQ")
 GENERATION_OFFSET = 16  # of the generation word inside a slot header
@@ -28,21 +47,67 @@ GENERATION_OFFSET = 16  # of the generation word inside a slot header
 FREE, FILLING, READY = 0, 1, 2
 
 
-def data_offset(slot_count: int) -> int:
-    return round_up(PAGE + SLOT_HEADER_BYTES * slot_count, PAGE)
+@dataclass(frozen=True)
+class Layout:
+    """Where everything lies in an arena of ``slot_count`` slots of ``slot_size``."""
+
+    slot_size: int
+    slot_count: int
+    dir_entries: int = DIR_ENTRIES
+
+    dir_offset = PAGE
+
+    @property
+    def headers_offset(self) -> int:
+        return round_up(PAGE + 4 * self.dir_entries, PAGE)
+
+    @property
+    def data_offset(self) -> int:
+        return round_up(self.headers_offset + SLOT_HEADER_BYTES * self.slot_count, PAGE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offset + self.slot_size * self.slot_count
+
+    def header(self, slot: int) -> int:
+        return self.headers_offset + SLOT_HEADER_BYTES * slot
+
+    def generation(self, slot: int) -> int:
+        return self.header(slot) + GENERATION_OFFSET
+
+    def data(self, slot: int) -> int:
+        return self.data_offset + self.slot_size * slot
+
+    def dir_word(self, entry: int) -> int:
+        return self.dir_offset + 4 * entry
+
+    @classmethod
+    def fitting(cls, arena_size: int, slot_size: int, dir_entries: int = DIR_ENTRIES) -> "Layout":
+        """As many slots as fit in ``arena_size`` bytes (0 if not one)."""
+        empty = cls(slot_size, 0, dir_entries)
+        n = max((arena_size - empty.data_offset) // (slot_size + SLOT_HEADER_BYTES), 0)
+        while n > 0 and cls(slot_size, n, dir_entries).nbytes > arena_size:
+            n -= 1
+        return cls(slot_size, n, dir_entries)
 
 
-def arena_bytes(slot_size: int, slot_count: int) -> int:
-    return data_offset(slot_count) + slot_size * slot_count
+@dataclass(frozen=True)
+class PinLayout:
+    """The pin table: ``rows`` session rows over ``slot_count`` slots."""
 
+    slot_count: int
+    rows: int
 
-def slot_count_for(arena_size: int, slot_size: int) -> int:
-    """How many slots of ``slot_size`` fit in ``arena_size`` bytes, headers included."""
-    n = max(arena_size // (slot_size + SLOT_HEADER_BYTES), 1)
-    while n > 1 and arena_bytes(slot_size, n) > arena_size:
-        n -= 1
-    return n
+    @property
+    def row_bytes(self) -> int:
+        return round_up(5 * self.slot_count, 64)
 
+    @property
+    def nbytes(self) -> int:
+        return max(self.row_bytes * self.rows, PAGE)
 
-def header_offset(slot: int) -> int:
-    return PAGE + SLOT_HEADER_BYTES * slot
+    def pins(self, row: int) -> int:
+        return self.row_bytes * row
+
+    def refs(self, row: int) -> int:
+        return self.row_bytes * row + 4 * self.slot_count

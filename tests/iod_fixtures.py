@@ -152,13 +152,41 @@ class Raw:
                 return m
             self.notes.append(m)
 
-    def hello(self, model_dir, pid=None):
+    def hello(self, model_dir, pid=None, working_set=1):
         from shared import protocol as P
+        from shared.blob import manifest_hash
 
-        return self.rt(P.Hello(self.req(), P.PROTOCOL_VERSION, pid or os.getpid(), str(model_dir)))
+        return self.rt(P.Hello(self.req(), P.PROTOCOL_VERSION, pid or os.getpid(), str(model_dir),
+                               manifest_hash(model_dir), working_set, False))
 
     def close(self):
         self.s.close()
+
+
+def unpin_refs(hello, refs):
+    """Drop a Raw session's pins the way a client does: in its pin-table row."""
+    import mmap
+
+    import native
+    from shared import slots as S
+
+    fd = native.shm_open_rw(hello.pins_name)
+    try:
+        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    native.unpin(mm, S.PinLayout(hello.slot_count, hello.pin_rows).pins(hello.pin_row),
+                 hello.slot_count, np.array([r.slot for r in refs], np.int32))
+    mm.close()
+
+
+def slot_bytes(daemon, hello, ref) -> bytes:
+    """A granted record's bytes, read through the arena's shm file."""
+    from shared import slots as S
+
+    with open("/dev/shm" + daemon.shm_name(), "rb") as f:
+        f.seek(S.Layout(hello.slot_size, hello.slot_count).data(ref.slot))
+        return f.read(ref.size)
 
 
 def wait_for(cond, timeout=10.0, what="condition"):

@@ -115,11 +115,11 @@ def test_the_store_misses_what_its_simulated_policy_misses(prep_model, fraction)
     measured (decay16), and Belady on its own trace never misses more."""
     from infer.bench import decode, forced_ids
     from infer.loader import load_streaming
-    from infer.sources import SyncSource
+    from iod.inproc import InprocSource
     from infer.streaming import LayerStack
 
     prep = prep_model("qwen3_moe")
-    source = SyncSource(prep)
+    source = InprocSource(prep, arena=64 << 20)
     model, tok, store = load_streaming(prep, source, None)
     store.cache_bytes = int(source.manifest.expert_bytes * fraction)
     store.depth = 0

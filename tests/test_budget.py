@@ -2,10 +2,10 @@
 
 import pytest
 
-from infer.budget import (DAEMON_OVERHEAD, _top_k, plan_memory, resident_bytes,
+from infer.budget import (DAEMON_OVERHEAD, top_k, plan_memory, resident_bytes,
                           staging_arena_bytes)
 from infer.loader import load_streaming
-from infer.sources import SyncSource
+from iod.inproc import InprocSource
 from shared.blob import Manifest
 
 
@@ -29,7 +29,7 @@ def test_private_daemon_and_its_staging_arena_are_part_of_the_budget(prep_model)
     manifest = Manifest.load(prep)
     private = plan_memory(1 << 30, prep, manifest, private_daemon=True)
     shared = plan_memory(1 << 30, prep, manifest, private_daemon=False)
-    assert private.arena_bytes == staging_arena_bytes(manifest, 2, _top_k(prep))
+    assert private.arena_bytes == staging_arena_bytes(manifest, 2, top_k(prep))
     assert private.daemon_bytes == DAEMON_OVERHEAD and shared.arena_bytes == 0
     assert shared.cache_bytes - private.cache_bytes == private.arena_bytes + DAEMON_OVERHEAD
     # the staging arena holds a whole layer's experts (a prefill call) and more
@@ -48,7 +48,7 @@ def test_cache_size_follows_the_budget(prep_model):
         budget = minimum + extra_experts * n_layers * record
         plan = plan_memory(budget, prep, manifest)
         assert plan.cache_bytes == budget - minimum
-        source = SyncSource(prep)
+        source = InprocSource(prep, arena=64 << 20)
         _, _, store = load_streaming(prep, source, plan.cache_bytes)
         caps.append({store.stack(l.layer).capacity for l in manifest.layers})
         source.close()
@@ -72,11 +72,11 @@ def test_infer_run_sizes_the_private_arena_from_the_budget(prep_model, monkeypat
     manifest = Manifest.load(prep)
     plan = plan_memory(1 << 30, prep, manifest)
     assert run.main(["--model", str(prep), "--mem-budget", "1G"]) == 2
-    assert seen == {"iod": "auto", "arena": plan.arena_bytes}
+    assert seen == {"iod": "auto", "arena": plan.arena_bytes, "working_set": 2, "profile": False}
     seen.clear()
     # attaching to a given daemon: its arena is not the session's to size
     assert run.main(["--model", str(prep), "--mem-budget", "1G", "--iod", "/x.sock"]) == 2
-    assert seen == {"iod": "/x.sock"}
+    assert seen == {"iod": "/x.sock", "working_set": 2, "profile": False}
 
 
 def test_infer_run_refuses_with_the_minimum(prep_model, capsys, monkeypatch, tmp_path):

@@ -35,9 +35,8 @@ def test_auto_spawns_and_stops_private_daemon(model, run_dir):
     assert pid in _children() - before
     assert shm_entries(pid)
     m = Manifest.load(model)
-    views = c.fetch(1, [2, 7])
-    assert bytes(views[7]) == record_bytes(model, m.layer(1), 7)
-    del views
+    got = c.read(1, [2, 7])
+    assert got[7] == record_bytes(model, m.layer(1), 7)
     c.close()
     assert pid not in _children()
     assert not shm_entries(pid)
@@ -59,7 +58,7 @@ def test_private_daemon_dies_with_sigkilled_parent(model, run_dir):
         import sys
         from infer.client import IodClient
         c = IodClient({str(model)!r}, arena="16M")
-        c.fetch(0, [1])
+        c.read(0, [1])
         print(c.daemon_pid, flush=True)
         sys.stdin.read()
     """)
@@ -93,17 +92,17 @@ def test_explicit_socket_without_daemon(model, run_dir):
 
 def test_daemon_death_is_sticky_and_reconnect_recovers(model, run_dir):
     c = IodClient(model, arena="16M")
-    c.fetch(0, [0])
+    c.read(0, [0])
     old = c.daemon_pid
     os.kill(old, signal.SIGKILL)
     with pytest.raises(DaemonDead):
-        c.fetch(0, [1])
+        c.read(0, [1])
     with pytest.raises(DaemonDead):
         c.prefetch(0, [2])
     c.reconnect()
     assert c.daemon_pid != old
     m = Manifest.load(model)
-    assert bytes(c.fetch(0, [1])[1]) == record_bytes(model, m.layer(0), 1)
+    assert c.read(0, [1])[1] == record_bytes(model, m.layer(0), 1)
     c.close()
     assert not shm_entries(old)  # swept? the private dir of the old one is gone
 
@@ -115,38 +114,70 @@ def daemon():
     d.stop()
 
 
-def test_prefetch_then_fetch_uses_ready_and_profiles(model, daemon):
+def test_prefetched_records_are_arena_hits_with_no_message(model, daemon):
     m = Manifest.load(model)
     with IodClient(model, iod=str(daemon.socket), profile=True) as c:
         c.prefetch(1, [1, 2, 3])
-        c.prefetch(1, [1, 2, 3])  # already requested: nothing sent
-        assert c.counters["prefetch_requests"] == 1
-        wait_for(lambda: (c.poll(), c.ready(1) == [1, 2, 3])[1], what="readies")
-        views = c.fetch(1, [1, 2, 3, 4])
-        assert c.counters["ready_used"] == 3 and c.counters["acquired"] == 1
-        assert c.counters["demand_requests"] == 1
-        assert all(bytes(views[e]) == record_bytes(model, m.layer(1), e) for e in views)
-        assert {h["kind"] for h in c.hop_log} == {"prefetch", "acquire"}
+        wait_for(lambda: c.ready(1) == [1, 2, 3], what="prefetched records ready")
+        c.prefetch(1, [1, 2, 3])  # ready already: nothing sent
+        assert c.counters["prefetch_hints"] == 1
+        before = c.stats()["sessions"][0]["requests"]
+        got = c.read(1, [1, 2, 3, 4])
+        assert c.counters["arena_hits"] == 3 and c.counters["demanded"] == 1
+        assert all(got[e] == record_bytes(model, m.layer(1), e) for e in got)
+        st = c.stats()
+        assert st["sessions"][0]["requests"] == before + 2  # the demand for 4, and STATS
+        assert st["sessions"][0]["pins"] == 0  # all unpinned after the copy, no message
+        kinds = [h["kind"] for h in c.hop_log]
+        assert sorted(kinds) == ["demand", "hit", "hit", "hit"]
         for h in c.hop_log:
-            assert h["client_send"] <= h["received"] <= h["sent"] <= h["client_recv"]
-        del views
-        c.release(1, [1, 2, 3, 4])
-        c.prefetch(2, [0, 1])
-        wait_for(lambda: (c.poll(), c.ready(2) == [0, 1])[1], what="readies")
-        c.cancel(2)  # unused prefetched pins go too
-        assert c.pinned == 0
-        wait_for(lambda: c.stats()["sessions"][0]["pins"] == 0, what="pins released")
+            if h["kind"] == "demand":
+                assert h["client_send"] <= h["received"] <= h["sent"] <= h["client_recv"]
+                assert h["read_start"] and h["queued"] <= h["read_start"] <= h["read_end"]
+            else:
+                assert h["client_send"] <= h["client_recv"]
 
 
 def test_slow_daemon_is_not_declared_dead(model):
     d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "0.5"])
     try:
-        with IodClient(model, iod=str(d.socket), timeout=0.2) as c:
-            views = c.fetch(2, [0, 1])  # ~1.2 s of reading at 0.5 MB/s
-            assert len(views) == 2
-            del views
+        with IodClient(model, iod=str(d.socket), timeout=0.3) as c:
+            got = c.read(2, [0, 1])  # ~1.2 s of reading at 0.5 MB/s: the loop keeps turning
+            assert len(got) == 2
     finally:
         d.stop()
+
+
+def test_stopped_daemon_is_declared_dead_within_the_timeout(model):
+    import time
+
+    d = LiveDaemon(args=["--arena", "16M"])
+    try:
+        with IodClient(model, iod=str(d.socket), timeout=1.0) as c:
+            c.read(0, [0])
+            os.kill(d.pid, signal.SIGSTOP)
+            t = time.monotonic()
+            with pytest.raises(DaemonDead) as e:
+                c.read(0, [1])
+            took = time.monotonic() - t
+            assert "stood still" in str(e.value) and "\n" not in str(e.value)
+            assert took < 1.0 + 5.0  # the documented bound plus scheduling slack
+            os.kill(d.pid, signal.SIGCONT)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+        d.stop()
+
+
+def test_a_daemon_that_turns_but_reads_nothing_is_declared_stuck(model):
+    # the reader is throttled to a crawl: the loop turns, no read completes
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "0.001"])
+    try:
+        with IodClient(model, iod=str(d.socket), timeout=5.0, progress_timeout=1.5) as c:
+            with pytest.raises(DaemonDead) as e:
+                c.read(2, [0])
+            assert "completed no read" in str(e.value)
+    finally:
+        d.kill()
 
 
 def test_model_with_larger_stride_is_refused(model, tmp_path):
@@ -173,22 +204,27 @@ def test_queue_limit_is_typed(model):
     try:
         r = Raw(d.socket)
         h = r.hello(model)
-        err = r.rt(P.Acquire(r.req(), h.model_id, 0, list(range(6)), True))
+        r.send(P.Demand(1, h.model_id, 0, list(range(6)), 1))  # 4 awaited: the limit
+        err = r.rt(P.Demand(2, h.model_id, 1, [0], 2))
         assert err.code == P.ErrorCode.QUEUE_FULL
-        assert r.rt(P.Prefetch(r.req(), h.model_id, 0, list(range(6)))).count == 4
+        first = r.until(1, timeout=30)
+        assert len(first.refs) == 4  # the rest in a later wave
     finally:
         d.stop()
 
 
-def test_fetch_sheds_unused_prefetch_pins_when_full(model):
+def test_unused_prefetches_hold_no_pins_and_are_counted_when_evicted(model):
     from shared import slots as S
 
-    d = LiveDaemon(args=["--arena", str(S.arena_bytes(303104, 4))])  # 4 slots
+    d = LiveDaemon(args=["--arena", str(S.Layout(303104, 4).nbytes)])  # 4 slots
     try:
         with IodClient(model, iod=str(d.socket)) as c:
             c.prefetch(0, [0, 1, 2])
-            wait_for(lambda: (c.poll(), c.ready(0) == [0, 1, 2])[1], what="readies")
-            views = c.fetch(1, [0, 1])  # 3 + 2 > 4 pins: the unused prefetches go
-            assert len(views) == 2 and c.counters["shed"] == 3
+            wait_for(lambda: c.ready(0) == [0, 1, 2], what="prefetched records ready")
+            assert c.stats()["sessions"][0]["pins"] == 0
+            got = c.read(1, [0, 1, 2, 3])  # needs every slot: the unused prefetches go
+            assert len(got) == 4
+            st = c.stats()["counters"]
+            assert st["prefetched_unused"] == 3 and st["evictions"] == 3
     finally:
         d.stop()

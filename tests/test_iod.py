@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, wait_for
+from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, unpin_refs, wait_for
 from shared import protocol as P
 from shared.blob import Manifest
 
@@ -22,26 +22,22 @@ def test_round_trip_every_kind(daemon, model):
     r = Raw(daemon.socket)
     h = r.hello(model)
     assert isinstance(h, P.HelloOk) and h.daemon_pid == daemon.pid and h.slot_count > 0
+    assert h.pins_name == h.shm_name + "p" and 0 <= h.pin_row < h.pin_rows
     m = Manifest.load(model)
-    ok = r.rt(P.Prefetch(r.req(), h.model_id, 1, [3, 4]))
-    assert isinstance(ok, P.Ok) and ok.count == 2
-    readies = [r.recv() for _ in range(2)]
-    assert all(isinstance(x, P.Ready) for x in readies)
-    assert sorted(x.slot[0] for x in readies) == [3, 4]
-    a = r.rt(P.Acquire(r.req(), h.model_id, 0, [0, 5], True))
-    assert isinstance(a, P.AcquireOk) and sorted(ref[0] for ref in a.slots) == [0, 5]
-    for ref in a.slots:
-        assert ref[3] == m.layer(0).record_bytes
-        assert ref[4] <= ref[5] <= ref[6] <= ref[7] <= ref[8]  # received..sent
-    again = r.rt(P.Acquire(r.req(), h.model_id, 0, [0], True))
-    assert again.slots[0][5:8] == [0, 0, 0]  # an arena hit has no read stamps
-    rel = r.rt(P.Release(r.req(), [ref[1:3] for ref in a.slots]))
-    assert isinstance(rel, P.Ok) and rel.count == 2
-    c = r.rt(P.Cancel(r.req(), h.model_id, -1))
-    assert isinstance(c, P.Ok)
-    st = r.rt(P.Stats(r.req()))
-    # pins are counted: expert 0 was granted twice and released once
-    assert isinstance(st, P.StatsOk) and st.stats["sessions"][0]["pins"] == 3
+    r.send(P.Prefetch(r.req(), h.model_id, 1, [3, 4], 0, 1))  # a hint: no reply
+    a = r.rt(P.Demand(r.req(), h.model_id, 0, [0, 5], 1))
+    assert isinstance(a, P.DemandOk) and sorted(ref.expert for ref in a.refs) == [0, 5]
+    assert a.stamps == []  # timestamps travel only to profiling sessions
+    for ref in a.refs:
+        assert ref.size == m.layer(0).record_bytes
+    st = r.rt(P.Stats(r.req())).stats
+    assert st["sessions"][0]["pins"] == 2 and st["counters"]["prefetches"] == 1
+    wait_for(lambda: r.rt(P.Stats(r.req())).stats["counters"]["reads"] == 4, what="prefetch read")
+    again = r.rt(P.Demand(r.req(), h.model_id, 1, [3], 2))  # prefetched: granted at once
+    assert [x.expert for x in again.refs] == [3]
+    unpin_refs(h, a.refs + again.refs)
+    st = r.rt(P.Stats(r.req())).stats
+    assert st["sessions"][0]["pins"] == 0 and st["counters"]["reads"] == 4
     bye = r.rt(P.Bye(r.req()))
     assert isinstance(bye, P.Ok)
     r2 = Raw(daemon.socket)
@@ -63,12 +59,11 @@ def test_client_bytes_equal(daemon, model):
         assert c.daemon_pid == daemon.pid
         c.prefetch(2, range(8))
         for layout in m.layers:
-            views = c.fetch(layout.layer, range(layout.num_experts))
-            for e, v in views.items():
-                assert v.readonly
-                assert bytes(v) == record_bytes(model, layout, e)
-            c.release(layout.layer, range(layout.num_experts))
-        assert c.counters["ready_used"] > 0 or c.counters["acquired"] == 48
+            got = c.read(layout.layer, range(layout.num_experts))
+            for e, data in got.items():
+                assert data == record_bytes(model, layout, e)
+        again = c.read(1, range(16))  # all in the arena now: no message at all
+        assert c.counters["arena_hits"] >= 16 and len(again) == 16
         st = c.stats()
         assert st["sessions"][0]["pins"] == 0
         assert st["counters"]["reads"] == 48
@@ -133,7 +128,7 @@ def test_cli_start_status_stop(model, tmp_path):
     st = json.loads(p.stdout)
     assert st["pid"] == pid and {"sessions", "models", "arena", "counters", "latency_us"} <= set(st)
     p, _ = _run_cli("status", "--socket", str(sock))
-    assert p.returncode == 0 and "hits" in p.stdout
+    assert p.returncode == 0 and "demands" in p.stdout
     p, _ = _run_cli("stop", "--socket", str(sock))
     assert p.returncode == 0, p.stderr
     assert not shm_entries(pid)
@@ -184,11 +179,9 @@ m = Manifest.load(model)
 with IodClient(model, iod=sock) as c:
     for l in m.layers:
         c.prefetch(l.layer, range(0, l.num_experts, 2))
-        views = c.fetch(l.layer, range(l.num_experts))
-        bad = [e for e, v in views.items() if bytes(v) != record_bytes(model, l, e)]
-        assert not bad, (l.layer, bad)
-        del views
-        c.release(l.layer, range(l.num_experts))
+        got = c.read(l.layer, range(l.num_experts))
+        bad = [e for e, v in got.items() if v != record_bytes(model, l, e)]
+        assert not bad and len(got) == l.num_experts, (l.layer, bad)
 print("ok")
 """
 
@@ -215,10 +208,10 @@ def test_coalescing_one_read_for_two_sessions(model):
     try:
         a, b = Raw(d.socket), Raw(d.socket)
         ha, hb = a.hello(model), b.hello(model)
-        a.send(P.Acquire(7, ha.model_id, 2, [9], True))  # ~150 ms at 2 MB/s
-        b.send(P.Acquire(8, hb.model_id, 2, [9], True))
+        a.send(P.Demand(7, ha.model_id, 2, [9], 1))  # ~150 ms at 2 MB/s
+        b.send(P.Demand(8, hb.model_id, 2, [9], 1))
         ra, rb = a.until(7), b.until(8)
-        assert ra.slots[0][1:3] == rb.slots[0][1:3]  # the same slot and generation
+        assert ra.refs == rb.refs  # the same slot and generation
         c = a.rt(P.Stats(a.req())).stats["counters"]
         assert c["reads"] == 1 and c["coalesced"] == 1
     finally:
@@ -231,11 +224,11 @@ def test_killed_client_releases_pins_others_unaffected(daemon, model):
 
     code = ("import sys; from infer.client import IodClient\n"
             f"c = IodClient({str(model)!r}, iod={str(daemon.socket)!r})\n"
-            "c.fetch(0, range(8)); c.prefetch(2, range(16)); print('held', flush=True)\n"
+            "c.fetch_into(0, range(8), lambda b: (print('held', flush=True), sys.stdin.read()))\n"
             "sys.stdin.read()\n")
     other = Raw(daemon.socket)
     h = other.hello(model)
-    other.rt(P.Acquire(other.req(), h.model_id, 0, [0, 1], True))
+    other.rt(P.Demand(other.req(), h.model_id, 0, [0, 1], 1))
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
@@ -245,9 +238,10 @@ def test_killed_client_releases_pins_others_unaffected(daemon, model):
     p.wait()
     wait_for(lambda: len(stats()["sessions"]) == 1, what="dead session dropped")
     st = stats()
+    # the killed session's pins (8 records, pinned while it copied) went with it
     assert st["sessions"][0]["pins"] == 2 and st["arena"]["slots"]["ready_pinned"] == 2
-    a = other.rt(P.Acquire(other.req(), h.model_id, 1, [3], True))
-    assert isinstance(a, P.AcquireOk)
+    a = other.rt(P.Demand(other.req(), h.model_id, 1, [3], 2))
+    assert isinstance(a, P.DemandOk)
 
 
 def test_stop_lets_reads_in_flight_finish(model):
@@ -255,14 +249,14 @@ def test_stop_lets_reads_in_flight_finish(model):
     try:
         r = Raw(d.socket)
         h = r.hello(model)
-        r.send(P.Acquire(5, h.model_id, 2, [3], True))  # ~1.2 s at 0.25 MB/s
+        r.send(P.Demand(5, h.model_id, 2, [3], 1))  # ~1.2 s at 0.25 MB/s
         probe = Raw(d.socket)
         wait_for(lambda: probe.rt(P.Stats(probe.req())).stats["inflight_reads"] == 1,
                  what="read started")
         probe.close()
         d.proc.terminate()
         first, second = r.recv(), r.recv()
-        assert isinstance(first, P.AcquireOk) and first.req_id == 5
+        assert isinstance(first, P.DemandOk) and first.req_id == 5
         assert isinstance(second, P.Shutdown)
         assert d.proc.wait(10) == 0
         assert not shm_entries(d.pid) and not d.socket.exists()

@@ -5,7 +5,7 @@ import pytest
 
 from shared import protocol as P
 from shared.blob import Manifest
-from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries
+from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, slot_bytes, unpin_refs
 
 E = P.ErrorCode
 
@@ -25,13 +25,10 @@ def daemon():
 
 
 def _bytes_ok(model, daemon, hello, reply, layer):
-    """The AcquireOk's slots hold the blob file's bytes (read through the shm file)."""
+    """The DemandOk's slots hold the blob file's bytes (read through the shm file)."""
     m = Manifest.load(model)
-    with open("/dev/shm" + daemon.shm_name(), "rb") as f:
-        for ref in reply.slots:
-            off = hello.data_offset + ref[1] * hello.slot_size
-            f.seek(off)
-            assert f.read(ref[3]) == record_bytes(model, m.layer(layer), ref[0])
+    for ref in reply.refs:
+        assert slot_bytes(daemon, hello, ref) == record_bytes(model, m.layer(layer), ref.expert)
 
 
 # layer-2 records no other test reads: queued ahead of the faulty one
@@ -44,39 +41,39 @@ def test_eio_then_next_read_works(daemon, model):
     # ~4 MB at 2 MB/s queued first in a's own queue: the faulty read of
     # expert 3 cannot start before b's request has attached to it, however
     # loaded the machine is
-    a.send(P.Acquire(10, ha.model_id, 2, FILLERS, True))
-    a.send(P.Acquire(1, ha.model_id, 2, [3, 4], True))
-    b.send(P.Acquire(2, hb.model_id, 2, [3], True))
+    a.send(P.Demand(10, ha.model_id, 2, FILLERS, 1))
+    a.send(P.Demand(1, ha.model_id, 2, [3, 4], 2))
+    b.send(P.Demand(2, hb.model_id, 2, [3], 1))
     ea, eb = a.until(1, timeout=30), b.until(2, timeout=30)
     for err in (ea, eb):  # every waiter of the record hears of it
         assert isinstance(err, P.Error) and err.code == E.IO_ERROR
         assert (err.layer, err.expert) == (2, 3) and "layer 2 expert 3" in err.message
     early = [m for m in a.notes if getattr(m, "req_id", None) == 10]
     fillers = early[0] if early else a.until(10, timeout=30)
-    assert isinstance(fillers, P.AcquireOk)
-    assert isinstance(a.rt(P.Release(11, [[r[1], r[2]] for r in fillers.slots])), P.Ok)
-    ok = a.rt(P.Acquire(3, ha.model_id, 2, [3, 4], True))
-    assert isinstance(ok, P.AcquireOk)
+    assert isinstance(fillers, P.DemandOk)
+    unpin_refs(ha, fillers.refs)
+    ok = a.rt(P.Demand(3, ha.model_id, 2, [3, 4], 3))
+    assert isinstance(ok, P.DemandOk)
     _bytes_ok(model, daemon, ha, ok, 2)
     st = a.rt(P.Stats(4)).stats
-    # the failed acquire's other pin (expert 4) was undone; now 3 and 4 are pinned once
+    # the failed demand's other pin (expert 4) was undone; now 3 and 4 are pinned once
     assert st["sessions"][0]["pins"] == 2 and st["counters"]["read_errors"] >= 1
 
 
 def test_short_read_is_io_error(daemon, model):
     r = Raw(daemon.socket)
     h = r.hello(model)
-    err = r.rt(P.Acquire(r.req(), h.model_id, 2, [5], True))
+    err = r.rt(P.Demand(r.req(), h.model_id, 2, [5], 1))
     assert err.code == E.IO_ERROR and "short read" in err.message and err.expert == 5
-    assert isinstance(r.rt(P.Acquire(r.req(), h.model_id, 2, [5], True)), P.AcquireOk)
+    assert isinstance(r.rt(P.Demand(r.req(), h.model_id, 2, [5], 2)), P.DemandOk)
 
 
 def test_transient_corruption_is_retried(daemon, model):
     r = Raw(daemon.socket)
     h = r.hello(model)
     before = r.rt(P.Stats(r.req())).stats["counters"]
-    ok = r.rt(P.Acquire(r.req(), h.model_id, 1, [2], True))
-    assert isinstance(ok, P.AcquireOk)
+    ok = r.rt(P.Demand(r.req(), h.model_id, 1, [2], 1))
+    assert isinstance(ok, P.DemandOk)
     _bytes_ok(model, daemon, h, ok, 1)
     after = r.rt(P.Stats(r.req())).stats["counters"]
     assert after["retries"] == before["retries"] + 1
@@ -86,20 +83,25 @@ def test_transient_corruption_is_retried(daemon, model):
 def test_persistent_corruption_fails_with_checksum(daemon, model):
     r = Raw(daemon.socket)
     h = r.hello(model)
-    err = r.rt(P.Acquire(r.req(), h.model_id, 1, [4], True))
+    err = r.rt(P.Demand(r.req(), h.model_id, 1, [4], 1))
     assert err.code == E.CHECKSUM and (err.layer, err.expert) == (1, 4)
-    ok = r.rt(P.Acquire(r.req(), h.model_id, 1, [4], True))
+    ok = r.rt(P.Demand(r.req(), h.model_id, 1, [4], 2))
     _bytes_ok(model, daemon, h, ok, 1)
 
 
-def test_prefetch_failure_is_notified(daemon, model):
+def test_failed_prefetch_leaves_nothing_and_a_demand_reads_again(daemon, model):
+    from tests.iod_fixtures import wait_for
+
     r = Raw(daemon.socket)
     h = r.hello(model)
-    assert r.rt(P.Prefetch(r.req(), h.model_id, 0, [9])).count == 1
-    note = r.recv()
-    assert isinstance(note, P.PrefetchFailed) and (note.layer, note.expert) == (0, 9)
-    assert note.code == E.IO_ERROR
-    assert r.rt(P.Stats(r.req())).stats["sessions"][-1]["queued"] == 0
+    before = r.rt(P.Stats(r.req())).stats["counters"]["read_errors"]
+    r.send(P.Prefetch(r.req(), h.model_id, 0, [9], 0, 1))  # a hint: no reply, no notice
+    wait_for(lambda: r.rt(P.Stats(r.req())).stats["counters"]["read_errors"] == before + 1,
+             what="the prefetch read failed")
+    st = r.rt(P.Stats(r.req())).stats
+    assert st["sessions"][-1]["awaiting"] == 0 and st["sessions"][-1]["pins"] == 0
+    ok = r.rt(P.Demand(r.req(), h.model_id, 0, [9], 1))  # read again, fine this time
+    _bytes_ok(model, daemon, h, ok, 0)
 
 
 def test_client_error_names_layer_and_expert(model):
@@ -109,23 +111,24 @@ def test_client_error_names_layer_and_expert(model):
     try:
         with IodClient(model, iod=str(d.socket)) as c:
             with pytest.raises(IodError) as e:
-                c.fetch(2, [6, 7])
+                c.read(2, [6, 7])
             assert e.value.code == E.CHECKSUM and (e.value.layer, e.value.expert) == (2, 7)
             assert "layer 2 expert 7" in str(e.value)
-            v = c.fetch(2, [6, 7])  # read again: fine now
-            assert bytes(v[7]) == record_bytes(model, Manifest.load(model).layer(2), 7)
+            v = c.read(2, [6, 7])  # read again: fine now
+            assert v[7] == record_bytes(model, Manifest.load(model).layer(2), 7)
+            assert c.stats()["sessions"][0]["pins"] == 0  # the failed demand held nothing
     finally:
         d.stop()
 
 
 def test_handler_bug_answers_internal_and_daemon_lives(model):
-    d = LiveDaemon(args=["--arena", "16M"], env={"IOD_FAULTS": "handler:3:0:1"})
+    d = LiveDaemon(args=["--arena", "16M"], env={"IOD_FAULTS": f"handler:{int(P.MsgKind.DEMAND)}:0:1"})
     try:
         r = Raw(d.socket)
         h = r.hello(model)
-        err = r.rt(P.Acquire(r.req(), h.model_id, 0, [1], True))
+        err = r.rt(P.Demand(r.req(), h.model_id, 0, [1], 1))
         assert err.code == E.INTERNAL
-        assert isinstance(r.rt(P.Acquire(r.req(), h.model_id, 0, [1], True)), P.AcquireOk)
+        assert isinstance(r.rt(P.Demand(r.req(), h.model_id, 0, [1], 2)), P.DemandOk)
         assert r.rt(P.Stats(r.req())).stats["counters"]["internal_errors"] == 1
         assert "injected handler fault" in d.logtext()
     finally:
@@ -141,12 +144,11 @@ def test_checks_in_readers_or_hashers(model, hashers):
     try:
         with IodClient(model, iod=str(d.socket)) as c:
             with pytest.raises(IodError) as e:
-                c.fetch(0, [1])
+                c.read(0, [1])
             assert e.value.code == E.CHECKSUM
-            v = c.fetch(0, [1, 2, 3])  # 2 is read twice: the retry is clean
+            v = c.read(0, [1, 2, 3])  # 2 is read twice: the retry is clean
             m = Manifest.load(model)
-            assert all(bytes(v[x]) == record_bytes(model, m.layer(0), x) for x in v)
-            del v
+            assert all(v[x] == record_bytes(model, m.layer(0), x) for x in v)
             assert c.stats()["counters"]["retries"] == 2
     finally:
         assert d.stop() == 0

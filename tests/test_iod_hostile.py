@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from shared import protocol as P
-from tests.iod_fixtures import LiveDaemon, Raw, shm_entries
+from tests.iod_fixtures import LiveDaemon, Raw, shm_entries, unpin_refs
 
 E = P.ErrorCode
 
@@ -35,63 +35,58 @@ def test_hostile_corpus_gets_typed_errors(daemon, model, tmp_path):
     (tmp_path / "badjson" / "manifest.json").write_text("{not json")
     v = P.PROTOCOL_VERSION
     pid = os.getpid()
+    mh = h.manifest_hash
+
+    def hello(req_id, **kw):
+        return _b({"req_id": req_id, "version": v, "pid": pid, "model_dir": str(model),
+                   "manifest_hash": mh, "working_set": 1, "profile": False, **kw})
+
+    def demand(req_id, **kw):
+        return _b({"req_id": req_id, "model_id": mid, "layer": 0, "experts": [1], "now": 1, **kw})
+
     corpus = [
-        ([b"\x03", _b({"req_id": 1, "model_id": mid, "layer": 0})[:-2]], E.BAD_MESSAGE),
-        ([b"\x03", b""], E.BAD_MESSAGE),
-        ([b"\x03", _b({"req_id": 2, "model_id": "1", "layer": 0, "experts": [1],
-                       "demand": True})], E.BAD_MESSAGE),
-        ([b"\x03", _b({"req_id": 3, "model_id": mid, "layer": 0, "experts": [1],
-                       "demand": 1})], E.BAD_MESSAGE),
-        ([b"\x03", _b({"req_id": 4, "model_id": mid, "layer": 0,
-                       "experts": [msgpack.ExtType(5, b"boom")], "demand": True})], E.BAD_MESSAGE),
-        ([b"\x02", _b({"req_id": 5, "model_id": mid, "layer": 0,
-                       "experts": list(range(100_000))})], E.TOO_LARGE),
-        ([b"\x02", _b({"req_id": 6, "model_id": mid, "layer": 0,
-                       "experts": [[1] * 10] * 10})], E.BAD_MESSAGE),
+        ([b"\x08", demand(1)[:-2]], E.BAD_MESSAGE),
+        ([b"\x08", b""], E.BAD_MESSAGE),
+        ([b"\x08", demand(2, model_id="1")], E.BAD_MESSAGE),
+        ([b"\x08", demand(3, now=True)], E.BAD_MESSAGE),
+        ([b"\x08", demand(4, experts=[msgpack.ExtType(5, b"boom")])], E.BAD_MESSAGE),
+        ([b"\x08", demand(5, experts=list(range(100_000)))], E.TOO_LARGE),
+        ([b"\x02", _b({"req_id": 6, "model_id": mid, "layer": 0, "experts": [[1] * 10] * 10,
+                       "now": 0, "due": 1})], E.BAD_MESSAGE),
         ([b"\x7f", _b({"req_id": 7})], E.UNKNOWN_KIND),
         ([b"\x20", _b({"req_id": 8, "count": 1})], E.UNKNOWN_KIND),  # a reply kind
-        ([b"\x03"], E.BAD_MESSAGE),  # one frame
-        ([b"\x03", b"x", b"y"], E.BAD_MESSAGE),
-        ([b"\x01", _b({"req_id": 9, "version": v + 1, "pid": pid,
-                       "model_dir": str(model)})], E.VERSION_MISMATCH),
-        ([b"\x01", _b({"req_id": 10, "version": v, "pid": pid,
-                       "model_dir": str(tmp_path / "notprep")})], E.BAD_MODEL),
-        ([b"\x01", _b({"req_id": 11, "version": v, "pid": pid,
-                       "model_dir": str(tmp_path / "badjson")})], E.BAD_MODEL),
-        ([b"\x01", _b({"req_id": 12, "version": v, "pid": pid,
-                       "model_dir": str(model / ".." / model.name)})], E.BAD_MODEL),
-        ([b"\x01", _b({"req_id": 13, "version": v, "pid": pid,
-                       "model_dir": "/etc/passwd"})], E.BAD_MODEL),
-        ([b"\x01", _b({"req_id": 14, "version": v, "pid": pid, "model_dir": ""})], E.BAD_MODEL),
-        ([b"\x01", _b({"req_id": 15, "version": v, "pid": -5,
-                       "model_dir": str(model)})], E.BAD_MESSAGE),
-        ([b"\x03", _b({"req_id": 16, "model_id": mid, "layer": 99, "experts": [0],
-                       "demand": True})], E.OUT_OF_RANGE),
-        ([b"\x03", _b({"req_id": 17, "model_id": mid, "layer": 0, "experts": [16],
-                       "demand": True})], E.OUT_OF_RANGE),
-        ([b"\x02", _b({"req_id": 18, "model_id": mid, "layer": 1, "experts": [-1]})],
-         E.OUT_OF_RANGE),
-        ([b"\x03", _b({"req_id": 19, "model_id": mid + 7, "layer": 0, "experts": [0],
-                       "demand": True})], E.BAD_MODEL),
-        ([b"\x04", _b({"req_id": 20, "slots": [[10 ** 6, 1]]})], E.BAD_SLOT),
-        ([b"\x04", _b({"req_id": 21, "slots": [[1, 2, 3]]})], E.BAD_SLOT),
-        ([b"\x05", _b({"req_id": 22, "model_id": mid, "layer": "x"})], E.BAD_MESSAGE),
+        ([b"\x03", _b({"req_id": 9})], E.UNKNOWN_KIND),  # retired: ACQUIRE
+        ([b"\x08"], E.BAD_MESSAGE),  # one frame
+        ([b"\x08", b"x", b"y"], E.BAD_MESSAGE),
+        ([b"\x01", hello(9, version=v + 1)], E.VERSION_MISMATCH),
+        ([b"\x01", hello(10, model_dir=str(tmp_path / "notprep"))], E.BAD_MODEL),
+        ([b"\x01", hello(11, model_dir=str(tmp_path / "badjson"))], E.BAD_MODEL),
+        ([b"\x01", hello(12, model_dir=str(model / ".." / model.name))], E.BAD_MODEL),
+        ([b"\x01", hello(13, model_dir="/etc/passwd")], E.BAD_MODEL),
+        ([b"\x01", hello(14, model_dir="")], E.BAD_MODEL),
+        ([b"\x01", hello(15, pid=-5)], E.BAD_MESSAGE),
+        ([b"\x01", hello(16, manifest_hash="0" * 16)], E.MODEL_CHANGED),
+        ([b"\x08", demand(17, layer=99)], E.OUT_OF_RANGE),
+        ([b"\x08", demand(18, experts=[16])], E.OUT_OF_RANGE),
+        ([b"\x02", _b({"req_id": 19, "model_id": mid, "layer": 1, "experts": [-1], "now": 0,
+                       "due": 1})], E.OUT_OF_RANGE),
+        ([b"\x08", demand(20, model_id=mid + 7)], E.BAD_MODEL),
     ]
     for i, (frames, code) in enumerate(corpus):
         bad.send_frames(frames)
         reply = bad.recv()
         assert isinstance(reply, P.Error) and reply.code == code, (i, reply)
         # a good request from another session, interleaved
-        ok = good.rt(P.Acquire(good.req(), h.model_id, i % 3, [i % 16], True))
-        assert isinstance(ok, P.AcquireOk), (i, ok)
-        good.rt(P.Release(good.req(), [ok.slots[0][1:3]]))
+        ok = good.rt(P.Demand(good.req(), h.model_id, i % 3, [i % 16], i))
+        assert isinstance(ok, P.DemandOk) and len(ok.refs) == 1, (i, ok)
+        unpin_refs(h, ok.refs)
     # error replies name layer and expert where they apply
-    bad.send(P.Acquire(50, mid, 0, [3, 99], True))
+    bad.send(P.Demand(50, mid, 0, [3, 99], 1))
     err = bad.recv()
     assert (err.code, err.layer, err.expert, err.req_id) == (E.OUT_OF_RANGE, 0, 99, 50)
     # requests before HELLO
     anon = Raw(daemon.socket)
-    assert anon.rt(P.Acquire(1, mid, 0, [0], True)).code == E.NO_SESSION
+    assert anon.rt(P.Demand(1, mid, 0, [0], 1)).code == E.NO_SESSION
     # the session table is bounded
     third, extra = Raw(daemon.socket), Raw(daemon.socket)
     assert isinstance(third.hello(model), P.HelloOk)
@@ -112,7 +107,7 @@ def test_oversized_frame_drops_only_that_peer(daemon, model):
     h = good.hello(model)
     hog = Raw(daemon.socket)
     hog.send_frames([b"\x06", b"\x00" * (4 << 20)])  # past the socket's MAXMSGSIZE
-    assert isinstance(good.rt(P.Acquire(good.req(), h.model_id, 0, [1], True)), P.AcquireOk)
+    assert isinstance(good.rt(P.Demand(good.req(), h.model_id, 0, [1], 1)), P.DemandOk)
     # just under the socket limit, over the codec's: a typed error
     hog2 = Raw(daemon.socket)
     hog2.send_frames([b"\x06", b"\x00" * ((1 << 20) + 10)])
@@ -137,9 +132,12 @@ def test_fuzzed_frames(daemon, model):
                       "model_id": rnd.choice([h.model_id, 0, "m"]),
                       "layer": rnd.choice([0, 1, -1, 2 ** 40]),
                       "experts": rnd.choice([[0], [], [-1], [1] * 20, "x", [None]]),
-                      "demand": rnd.choice([True, 0]), "slots": rnd.choice([[[0, 1]], [[0]], 3]),
+                      "now": rnd.choice([0, -1, 2 ** 40, "x"]), "due": rnd.choice([1, -5]),
                       "version": rnd.choice([1, 2]), "pid": rnd.choice([os.getpid(), 0, 1]),
-                      "model_dir": rnd.choice(["", "/", "..", "x" * 5000])}
+                      "manifest_hash": rnd.choice([h.manifest_hash, "", "x" * 5000]),
+                      "working_set": rnd.choice([1, 0, -1, 10 ** 9]),
+                      "profile": rnd.choice([True, False, 1]),
+                      "model_dir": rnd.choice(["", "/", "..", "x" * 5000, str(model)])}
             body = _b(dict(rnd.sample(sorted(fields.items()), rnd.randint(0, len(fields)))))
             if rnd.random() < 0.3:
                 body = body[: rnd.randint(0, len(body))]

@@ -7,18 +7,18 @@ from mlx_lm.models.cache import KVCache
 
 from infer.loader import load_streaming
 from infer.mtp import MTPDrafter, MTPError, _hf_norms, has_mtp, load_mtp
-from infer.sources import SyncSource
+from iod.inproc import InprocSource
 from shared.blob import Manifest
 
 
-class CountingSource(SyncSource):
+class CountingSource(InprocSource):
     def __init__(self, model_dir):
-        super().__init__(model_dir)
+        super().__init__(model_dir, arena=64 << 20)
         self.layers = []
 
-    def fetch(self, layer, experts):
+    def fetch_into(self, layer, experts, sink):
         self.layers.append(layer)
-        return super().fetch(layer, experts)
+        return super().fetch_into(layer, experts, sink)
 
 
 @pytest.fixture(scope="module")

@@ -109,12 +109,13 @@ def test_percentiles_on_known_values():
 
 
 def known_records():
-    """20 records (10 arena hits, 10 disk reads) with exactly known hops (ns)."""
+    """25 records with exactly known hops (ns): 10 demanded and ready at the
+    daemon, 10 demanded and read from disk, 5 arena hits (no message)."""
     recs = []
     for i in range(20):
         t = 1_000_000_000 + i * 10_000_000
         hit = i < 10
-        r = {"kind": "acquire", "layer": i % 2, "expert": i, "size": 1000,
+        r = {"kind": "demand", "layer": i % 2, "expert": i, "size": 1000,
              "client_send": t, "received": t + 1000 * (i + 1)}  # send→daemon = i+1 µs
         if hit:
             r.update(queued=0, read_start=0, read_end=0, sent=r["received"] + 5000)
@@ -126,6 +127,10 @@ def known_records():
         r["client_recv"] = r["sent"] + 6000
         r["copied"] = r["client_recv"] + 7000
         recs.append(r)
+    for i in range(5):
+        t = 2_000_000_000 + i * 10_000_000
+        recs.append({"kind": "hit", "layer": 0, "expert": 20 + i, "size": 1000,
+                     "client_send": t, "client_recv": t + 2000 * (i + 1), "copied": t + 30_000})
     return recs
 
 
@@ -145,14 +150,17 @@ def test_summary_hops_are_exact_on_known_timings():
     assert h["disk read"]["n"] == 10
     assert h["disk read"]["p50"] == pytest.approx(550.0) and h["disk read"]["max"] == 1000.0
     assert h["disk read"]["p90"] == pytest.approx(910.0)
-    assert h["hit: received→sent"] == percentiles([5.0] * 10)
+    assert h["demand hit: received→sent"] == percentiles([5.0] * 10)
+    assert h["arena hit: lookup→pinned"] == percentiles([2.0, 4.0, 6.0, 8.0, 10.0])
     assert h["queue wait"]["p99"] == pytest.approx(3.0) and h["daemon→queued"]["p50"] == 2.0
     assert h["daemon→client"]["n"] == 20 and h["daemon→client"]["p90"] == pytest.approx(6.0)
-    assert h["received→copied"]["p50"] == pytest.approx(7.0)
-    # request → MLX array: hits are 1..10 + 5 + 6 + 7 µs
-    hit = s["request_to_mlx_us"]["acquire_hit"]
+    assert h["received→copied"]["n"] == 20 and h["received→copied"]["p50"] == pytest.approx(7.0)
+    # request → MLX array: demand hits are 1..10 + 5 + 6 + 7 µs
+    hit = s["request_to_mlx_us"]["demand_hit"]
     assert hit["p50"] == pytest.approx(percentiles([i + 18 for i in range(1, 11)])["p50"])
-    assert s["request_to_mlx_us"]["acquire_miss"]["max"] == pytest.approx(20 + 2 + 3 + 1000 + 4 + 6 + 7)
+    assert s["request_to_mlx_us"]["demand_read"]["max"] == pytest.approx(20 + 2 + 3 + 1000 + 4 + 6 + 7)
+    assert s["request_to_mlx_us"]["arena_hit"] == percentiles([30.0] * 5)
+    assert h["request→MLX array"]["n"] == 25
     layer0 = s["per_layer"]["0"]
     assert layer0["compute_s"] == pytest.approx(0.002) and layer0["stall_s"] == pytest.approx(0.003)
     assert layer0["copy_s"] == pytest.approx(0.001) and layer0["calls"] == 1
@@ -161,9 +169,7 @@ def test_summary_hops_are_exact_on_known_timings():
     assert s["decode_bytes_per_token"] == pytest.approx(6000 / 3)
     assert s["daemon_bytes_read_per_token"] == 2000
     assert s["token_ms"]["p50"] == pytest.approx(1e-5)
-    assert s["records_never_copied"] == {}
-    recs[3].pop("copied")
-    assert summarize(recs, spans, tokens, copies, {})["records_never_copied"] == {"acquire_hit": 1}
+    assert s["records_by_kind"] == {"arena_hit": 5, "demand_hit": 10, "demand_read": 10}
 
 
 def test_lanes_never_overlap_and_use_the_peak_concurrency():
@@ -222,7 +228,8 @@ def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model
     assert {"compute", "stall", "copy", "disk", "token", "request"} <= cats
 
     s = json.loads((out / "summary.json").read_text())
-    for hop in ("send→daemon", "disk read", "daemon→client", "request→MLX array"):
+    for hop in ("send→daemon", "disk read", "daemon→client", "request→MLX array",
+                "arena hit: lookup→pinned"):
         assert s["hops_us"][hop]["n"] > 0
         p = s["hops_us"][hop]
         assert 0 <= p["p50"] <= p["p90"] <= p["p99"] <= p["max"]

@@ -24,7 +24,10 @@ def _sample(cls):
             vals[name] = "x"
         elif origin is list:
             (item,) = typing.get_args(tp)
-            vals[name] = [[1, 2]] if typing.get_origin(item) is list else [1, 2, 3]
+            if dataclasses.is_dataclass(item):
+                vals[name] = [_sample(item), _sample(item)]
+            else:
+                vals[name] = [[1, 2]] if typing.get_origin(item) is list else [1, 2, 3]
         elif origin is dict:
             vals[name] = {"a": 1}
     return cls(**vals)
@@ -40,10 +43,12 @@ def test_every_kind_round_trips(kind):
 
 
 def test_kinds_and_codes_are_fixed():
-    # never renumber: these values are on the wire
-    assert (P.MsgKind.HELLO, P.MsgKind.BYE, P.MsgKind.OK, P.MsgKind.READY) == (1, 7, 32, 64)
-    assert P.MsgKind.PREFETCH_FAILED == 66
+    # never renumber: these values are on the wire; retired ones are not reused
+    assert (P.MsgKind.HELLO, P.MsgKind.BYE, P.MsgKind.OK, P.MsgKind.SHUTDOWN) == (1, 7, 32, 65)
+    assert (P.MsgKind.DEMAND, P.MsgKind.DEMAND_OK) == (8, 37)
+    assert not {3, 4, 5, 35, 64, 66} & {int(k) for k in P.MsgKind}
     assert P.ErrorCode.INTERNAL == 16 and P.ErrorCode.QUEUE_FULL == 17
+    assert P.ErrorCode.MODEL_CHANGED == 18 and P.PROTOCOL_VERSION == 2
     assert set(P.MESSAGE_TYPES) == set(P.MsgKind)
     assert P.REQUEST_KINDS < set(P.MsgKind)
 
@@ -52,7 +57,10 @@ def _body(d):
     return msgpack.packb(d, use_bin_type=True)
 
 
-HELLO = {"req_id": 1, "version": 1, "pid": 2, "model_dir": "/m"}
+HELLO = {"req_id": 1, "version": 2, "pid": 2, "model_dir": "/m", "manifest_hash": "ab",
+         "working_set": 8, "profile": False}
+REF = {"expert": 1, "slot": 2, "generation": 3, "size": 4}
+DEMAND_OK = {"req_id": 1, "layer": 0, "refs": [REF], "stamps": []}
 
 
 @pytest.mark.parametrize(
@@ -70,10 +78,14 @@ HELLO = {"req_id": 1, "version": 1, "pid": 2, "model_dir": "/m"}
         ([b"\x01", _body({**HELLO, "model_dir": msgpack.ExtType(1, b"x")})], codec.DecodeError),
         ([b"\x01", _body({**HELLO, "model_dir": b"/m"})], codec.DecodeError),  # bin
         ([b"\x01", _body({**HELLO, "pid": 2.0})], codec.DecodeError),
-        ([b"\x02", _body({"req_id": 1, "model_id": 1, "layer": 0,
-                          "experts": list(range(5000))})], codec.TooLarge),
-        ([b"\x02", _body({"req_id": 1, "model_id": 1, "layer": 0,
-                          "experts": [1, "2"]})], codec.DecodeError),
+        ([b"\x08", _body({"req_id": 1, "model_id": 1, "layer": 0,
+                          "experts": list(range(5000)), "now": 1})], codec.TooLarge),
+        ([b"\x08", _body({"req_id": 1, "model_id": 1, "layer": 0,
+                          "experts": [1, "2"], "now": 1})], codec.DecodeError),
+        # nested slot references are checked field by field
+        ([b"\x25", _body({**DEMAND_OK, "refs": [[1, 2, 3, 4]]})], codec.DecodeError),
+        ([b"\x25", _body({**DEMAND_OK, "refs": [{**REF, "x": 1}]})], codec.DecodeError),
+        ([b"\x25", _body({**DEMAND_OK, "refs": [{**REF, "slot": "2"}]})], codec.DecodeError),
         ([b"\x01", b"\xc1"], codec.DecodeError),  # never-used msgpack byte
         ([b"\x01", b"\x00" * (codec.MAX_MESSAGE_BYTES + 1)], codec.TooLarge),
     ],
@@ -90,6 +102,11 @@ def test_decoder_never_raises_anything_but_decode_error(kind, body):
         codec.decode([bytes([kind]), body])
     except codec.DecodeError:
         pass
+
+
+def test_nested_refs_decode_to_slot_refs():
+    m = codec.decode([b"\x25", _body(DEMAND_OK)])
+    assert m.refs == [P.SlotRef(1, 2, 3, 4)] and isinstance(m.refs[0], P.SlotRef)
 
 
 def test_frozen():

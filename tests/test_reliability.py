@@ -29,9 +29,9 @@ import msgpack
 import pytest
 
 from shared import protocol as P
-from shared.blob import Manifest
+from shared.blob import Manifest, manifest_hash
 from tests.iod_fixtures import (LiveDaemon, Raw, make_prep, record_bytes, shm_entries,
-                                short_dir, wait_for)
+                                short_dir, slot_bytes, unpin_refs, wait_for)
 
 E = P.ErrorCode
 PY = sys.executable
@@ -199,7 +199,7 @@ def expected_ids(src, n):
 
 # A session that pins, prefetches and fetches random records until it is killed.
 VICTIM_SCRIPT = r"""
-import random, sys
+import random, sys, time
 from infer.client import IodClient
 from shared.blob import Manifest
 prep, sock, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -214,10 +214,8 @@ while True:
     if op < 0.3:
         c.prefetch(l.layer, ex)
         c.poll()
-    else:
-        c.fetch(l.layer, ex)
-        if rnd.random() < 0.7:
-            c.release(l.layer, ex)
+    else:  # pinned while the sink runs: a kill often lands then
+        c.fetch_into(l.layer, ex, lambda batch: time.sleep(rnd.uniform(0, 0.01)))
 """
 
 
@@ -519,18 +517,13 @@ def lay_file(prep, layer):
 
 # ---- 4. disk errors -------------------------------------------------------------
 
-def _slot_bytes(daemon, hello, ref):
-    with open("/dev/shm" + daemon.shm_name(), "rb") as f:
-        f.seek(hello.data_offset + ref[1] * hello.slot_size)
-        return f.read(ref[3])
-
-
 BLOCKERS = 10  # records read ahead of each faulted one (3 MB: 0.5 s past the burst)
 
 
 def check_disk_errors(workdir, rounds=3, waiters=3):
     """``rounds`` records per kind fail (eio, short); each has ``waiters``
-    sessions waiting on it (demand ACQUIREs and one PREFETCH).
+    sessions asking for it (DEMANDs, and one PREFETCH hint, which hears
+    nothing: its session holds nothing and reads the record again later).
 
     So that every waiter surely attaches to the failing read, the first one
     asks for BLOCKERS records never read before just ahead of it (same
@@ -558,46 +551,40 @@ def check_disk_errors(workdir, rounds=3, waiters=3):
             blockers = list(range(n_faults + e * BLOCKERS, n_faults + (e + 1) * BLOCKERS))
             before = stats(d.socket)["counters"]["coalesced"]
             r0, h0 = raws[0], hellos[0]
-            r0.send(P.Acquire(2000 + e, h0.model_id, lay.layer, blockers, True))
-            for i, (r, h) in enumerate(zip(raws, hellos)):
-                if i == waiters - 1:
-                    assert r.rt(P.Prefetch(r.req(), h.model_id, lay.layer, [e])).count == 1
-                else:
-                    r.send(P.Acquire(1000 + e, h.model_id, lay.layer, [e], True))
-            for i, r in enumerate(raws):
-                if i == waiters - 1:
-                    note = r.recv(60)
-                    while not isinstance(note, P.PrefetchFailed):
-                        note = r.recv(60)
-                    got = (note.code, note.layer, note.expert)
-                else:
-                    err = r.until(1000 + e, 60)
-                    assert isinstance(err, P.Error), (kind, e, i, err)
-                    assert f"layer {lay.layer} expert {e}" in err.message, err.message
-                    got = (err.code, err.layer, err.expert)
+            r0.send(P.Demand(2000 + e, h0.model_id, lay.layer, blockers, 1))
+            for r, h in zip(raws[: waiters - 1], hellos):
+                r.send(P.Demand(1000 + e, h.model_id, lay.layer, [e], 1))
+            # every demand after the first joined its read (the read has not started)
+            attached += stats(d.socket)["counters"]["coalesced"] - before
+            r, h = raws[-1], hellos[-1]  # and a hint for it, which hears nothing
+            r.send(P.Prefetch(r.req(), h.model_id, lay.layer, [e], 0, 1))
+            for i, r in enumerate(raws[: waiters - 1]):
+                err = r.until(1000 + e, 60)
+                assert isinstance(err, P.Error), (kind, e, i, err)
+                assert f"layer {lay.layer} expert {e}" in err.message, err.message
+                got = (err.code, err.layer, err.expert)
                 assert got == (E.IO_ERROR, lay.layer, e), (kind, i, got)
                 typed += 1
-            attached += stats(d.socket)["counters"]["coalesced"] - before
             ok = r0.until(2000 + e, 60)
-            assert isinstance(ok, P.AcquireOk), ok
-            r0.rt(P.Release(r0.req(), [ref[1:3] for ref in ok.slots]))
+            assert isinstance(ok, P.DemandOk), ok
+            unpin_refs(h0, ok.refs)
             assert d.proc.poll() is None
             # the next read of the record works and holds the file's bytes
-            ok = r0.rt(P.Acquire(r0.req(), h0.model_id, lay.layer, [e], True), 60)
-            assert isinstance(ok, P.AcquireOk), ok
-            assert _slot_bytes(d, h0, ok.slots[0]) == record_bytes(model, lay, e)
-            r0.rt(P.Release(r0.req(), [ok.slots[0][1:3]]))
+            ok = r0.rt(P.Demand(r0.req(), h0.model_id, lay.layer, [e], 2), 60)
+            assert isinstance(ok, P.DemandOk), ok
+            assert slot_bytes(d, h0, ok.refs[0]) == record_bytes(model, lay, e)
+            unpin_refs(h0, ok.refs)
         st = stats(d.socket)
         c = st["counters"]
-        assert attached == len(targets) * (waiters - 1), f"only {attached} waiters attached"
+        assert attached == len(targets) * (waiters - 2), f"only {attached} demands attached"
         assert c["internal_errors"] == 0 and c["read_errors"] == len(targets)
-        assert all(s["queued"] == 0 and s["pins"] == 0 for s in st["sessions"]), st["sessions"]
+        assert all(s["awaiting"] == 0 and s["pins"] == 0 for s in st["sessions"]), st["sessions"]
         for r in raws:
             r.rt(P.Bye(r.req()))
         return emit("disk_errors", {"faults": len(targets), "kinds": ["eio", "short"],
                                     "waiters_per_fault": waiters, "attached": attached,
                                     "typed_errors": typed,
-                                    "missing_errors": len(targets) * waiters - typed,
+                                    "missing_errors": len(targets) * (waiters - 1) - typed,
                                     "reread_ok": len(targets), "daemon_alive": True,
                                     "read_errors": c["read_errors"]})
     finally:
@@ -644,37 +631,44 @@ def _b(x):
 def hostile_corpus(mid, model_dir):
     """Hand-written hostile frames (beyond tests/test_iod_hostile.py's typed cases)."""
     v, pid = P.PROTOCOL_VERSION, os.getpid()
+    mh = manifest_hash(model_dir)
     deep = b"\x91" * 5000 + b"\x00"  # [[[...0...]]], deeper than any packer makes
+
+    def demand(**kw):
+        return _b({"req_id": 1, "model_id": mid, "layer": 0, "experts": [0], "now": 1, **kw})
+
+    def hello(req_id, **kw):
+        return _b({"req_id": req_id, "version": v, "pid": pid, "model_dir": str(model_dir),
+                   "manifest_hash": mh, "working_set": 1, "profile": False, **kw})
+
     return [
-        [b""], [b"", b""], [b"\x03\x03", _b({})], [b"\x03", b"\xc1"],  # 0xc1: never used
-        [b"\x03", b"\x81"],  # a map that promises an entry
-        [b"\x03", deep], [b"\x06", b"\x81\xa6req_id" + deep],
-        [b"\x03", b"\xdd\xff\xff\xff\xff"],  # array32 of 4G entries, no data
-        [b"\x03", b"\xdf\xff\xff\xff\xff"],  # map32 of 4G entries
-        [b"\x03", b"\xdb\xff\xff\xff\xff" + b"x" * 10],  # str32 longer than the frame
-        [b"\x03", _b({"req_id": 1, "model_id": mid, "layer": 0, "experts": [0],
-                      "demand": True, "extra": 1})],
-        [b"\x03", _b({"req_id": 2 ** 64 - 1, "model_id": mid, "layer": 0, "experts": [0],
-                      "demand": True})],
-        [b"\x03", _b({"req_id": 3, "model_id": mid, "layer": 0, "experts": [2 ** 63],
-                      "demand": True})],
-        [b"\x03", _b({"req_id": 4, "model_id": mid, "layer": 0.0, "experts": [0],
-                      "demand": True})],
-        [b"\x03", _b({b"req_id": 5, "model_id": mid, "layer": 0, "experts": [0],
-                      "demand": True})],  # bytes key
-        [b"\x03", _b({1: 5})], [b"\x03", _b([1, 2, 3])], [b"\x03", _b(None)],
-        [b"\x03", b"\x81\xa6req_id\xc7\x0c\xff" + b"\x00" * 12],  # a timestamp ext
-        [b"\x03", b"\x81\xa6req_id\xc7\x05\xff" + b"\x00" * 5],  # a malformed timestamp
-        [b"\x04", _b({"req_id": 6, "slots": [[0, 2 ** 64 - 1]] * 1000})],
-        [b"\x04", _b({"req_id": 7, "slots": [[-1, -1]]})],
-        [b"\x04", _b({"req_id": 8, "slots": [[True, False]]})],
-        [b"\x02", _b({"req_id": 9, "model_id": mid, "layer": 0, "experts": list(range(16)) * 50})],
-        [b"\x01", _b({"req_id": 10, "version": v, "pid": pid, "model_dir": "/proc/self/root" +
-                      str(model_dir)})],
-        [b"\x01", _b({"req_id": 11, "version": v, "pid": pid, "model_dir": "\x00"})],
-        [b"\x01", _b({"req_id": 12, "version": v, "pid": 2 ** 31, "model_dir": str(model_dir)})],
-        [b"\x01", _b({"req_id": 13, "version": v, "pid": 1, "model_dir": str(model_dir)})],
-        [b"\x05", _b({"req_id": 14, "model_id": mid, "layer": 2 ** 62})],
+        [b""], [b"", b""], [b"\x08\x08", _b({})], [b"\x08", b"\xc1"],  # 0xc1: never used
+        [b"\x08", b"\x81"],  # a map that promises an entry
+        [b"\x08", deep], [b"\x06", b"\x81\xa6req_id" + deep],
+        [b"\x08", b"\xdd\xff\xff\xff\xff"],  # array32 of 4G entries, no data
+        [b"\x08", b"\xdf\xff\xff\xff\xff"],  # map32 of 4G entries
+        [b"\x08", b"\xdb\xff\xff\xff\xff" + b"x" * 10],  # str32 longer than the frame
+        [b"\x08", demand(extra=1)],
+        [b"\x08", demand(req_id=2 ** 64 - 1)],
+        [b"\x08", demand(experts=[2 ** 63])],
+        [b"\x08", demand(layer=0.0)],
+        [b"\x08", demand(now=-(2 ** 63))],
+        [b"\x08", _b({b"req_id": 5, "model_id": mid, "layer": 0, "experts": [0],
+                      "now": 1})],  # bytes key
+        [b"\x08", _b({1: 5})], [b"\x08", _b([1, 2, 3])], [b"\x08", _b(None)],
+        [b"\x08", b"\x81\xa6req_id\xc7\x0c\xff" + b"\x00" * 12],  # a timestamp ext
+        [b"\x08", b"\x81\xa6req_id\xc7\x05\xff" + b"\x00" * 5],  # a malformed timestamp
+        [b"\x25", _b({"req_id": 6, "layer": 0, "stamps": [],  # a reply sent as a request
+                      "refs": [{"expert": 0, "slot": 2 ** 64 - 1, "generation": 1, "size": 1}]})],
+        [b"\x04", _b({"req_id": 7, "slots": [[-1, -1]]})],  # retired kinds
+        [b"\x05", _b({"req_id": 8, "model_id": mid, "layer": 0})],
+        [b"\x02", _b({"req_id": 9, "model_id": mid, "layer": 0, "experts": list(range(16)) * 50,
+                      "now": 0, "due": 2 ** 63 - 1})],
+        [b"\x01", hello(10, model_dir="/proc/self/root" + str(model_dir))],
+        [b"\x01", hello(11, model_dir="\x00")],
+        [b"\x01", hello(12, pid=2 ** 31)],
+        [b"\x01", hello(13, pid=1)],
+        [b"\x01", hello(14, working_set=2 ** 62)],
         [b"\x06", b"\x00" * ((1 << 20) + 100)],  # over the codec's limit
         [b"\x07", _b({"req_id": 15})] * 1,  # BYE without a session
     ]
@@ -691,8 +685,9 @@ def _rand_value(rnd, depth=0):
         return [_rand_value(rnd, depth + 1) for _ in range(rnd.randint(0, 6))]
     if r < 0.75:
         return {_rand_value(rnd, 4) if rnd.random() < 0.2 else
-                rnd.choice(["req_id", "model_id", "layer", "experts", "demand", "slots",
-                            "version", "pid", "model_dir", "x"]):
+                rnd.choice(["req_id", "model_id", "layer", "experts", "now", "due",
+                            "version", "pid", "model_dir", "manifest_hash", "working_set",
+                            "profile", "refs", "x"]):
                 _rand_value(rnd, depth + 1) for _ in range(rnd.randint(0, 6))}
     return msgpack.ExtType(rnd.randint(0, 127), rnd.randbytes(rnd.randint(0, 20)))
 
@@ -701,12 +696,12 @@ def _valid_message(rnd, mid, model_dir):
     req = rnd.randint(1, 10 ** 6)
     l, e = rnd.randint(0, 2), rnd.randint(0, 15)
     return rnd.choice([
-        lambda: P.Acquire(req, mid, l, [e], rnd.random() < 0.5),
-        lambda: P.Prefetch(req, mid, l, rnd.sample(range(16), rnd.randint(1, 4))),
-        lambda: P.Release(req, [[rnd.randint(0, 60), rnd.randint(0, 10 ** 4)]]),
-        lambda: P.Cancel(req, mid, rnd.choice([-1, l])),
+        lambda: P.Demand(req, mid, l, [e], rnd.randint(0, 10 ** 6)),
+        lambda: P.Prefetch(req, mid, l, rnd.sample(range(16), rnd.randint(1, 4)),
+                           rnd.randint(0, 100), rnd.randint(0, 200)),
         lambda: P.Stats(req),
-        lambda: P.Hello(req, P.PROTOCOL_VERSION, os.getpid(), str(model_dir)),
+        lambda: P.Hello(req, P.PROTOCOL_VERSION, os.getpid(), str(model_dir),
+                        manifest_hash(model_dir), rnd.randint(0, 4), rnd.random() < 0.5),
     ])()
 
 
@@ -799,10 +794,10 @@ def check_hostile(model, messages=5000, seed=0, batch=25):
             # a good request from another session, answered with the right bytes
             lay = rnd.choice(m.layers)
             e = rnd.randrange(lay.num_experts)
-            ok = good.rt(P.Acquire(good.req(), h.model_id, lay.layer, [e], True), 60)
-            assert isinstance(ok, P.AcquireOk), ok
-            assert _slot_bytes(d, h, ok.slots[0]) == record_bytes(model, lay, e)
-            good.rt(P.Release(good.req(), [ok.slots[0][1:3]]))
+            ok = good.rt(P.Demand(good.req(), h.model_id, lay.layer, [e], sent), 60)
+            assert isinstance(ok, P.DemandOk), ok
+            assert slot_bytes(d, h, ok.refs[0]) == record_bytes(model, lay, e)
+            unpin_refs(h, ok.refs)
             good_ok += 1
             assert d.proc.poll() is None, d.logtext()[-2000:]
             if rss0 is None and sent >= min(messages // 10, 2000):
@@ -1003,7 +998,7 @@ def check_other_users(model, probes=5):
         assert refused >= 1, "the peer-uid check refused nobody"
         assert all(s["pid"] == os.getpid() for s in st["sessions"])
         # and the owner is still served
-        assert isinstance(mine.rt(P.Acquire(mine.req(), 1, 0, [0], True)), (P.AcquireOk, P.Error))
+        assert isinstance(mine.rt(P.Demand(mine.req(), 1, 0, [0], 1)), (P.DemandOk, P.Error))
         mine.close()
         return emit("other_users", {"user": OTHER_USER, "uid": uid, "modes": modes,
                                     "modes_in_place": closed, "dir_opened": behind_dir,
@@ -1018,8 +1013,8 @@ def check_other_users(model, probes=5):
 
 # ---- 7. load --------------------------------------------------------------------
 
-# One session at a steady request rate: fetch k random records, check each
-# against the manifest checksum, release. argv: model sock seconds rate seed k
+# One session at a steady request rate: fetch k random records and check each
+# against the manifest checksum while pinned. argv: model sock seconds rate seed k
 LOAD_SCRIPT = r"""
 import json, random, sys, time
 from infer.client import IodClient
@@ -1042,14 +1037,14 @@ while True:
     l = rnd.choice(m.layers)
     ex = rnd.sample(range(l.num_experts), k)
     t = time.perf_counter()
-    views = c.fetch(l.layer, ex)
+    got = []
+    def sink(batch):
+        for i, e in enumerate(batch.experts):  # checked while pinned, in place
+            got.append(f"{record_checksum(l.layer, e, batch.record(i)):016x}" == l.checksums[e])
+    c.fetch_into(l.layer, ex, sink)
     if n >= rate:  # the first second warms up (cold slots, page faults)
         lat.append((time.perf_counter() - t) * 1e6)
-    for e, v in views.items():
-        if f"{record_checksum(l.layer, e, v):016x}" != l.checksums[e]:
-            bad += 1
-    del views
-    c.release(l.layer, ex)
+    bad += got.count(False) + (k - len(got))
     n += 1
 c.close()
 print(json.dumps({"n": n, "bad": bad, "lat_us": lat}), flush=True)

@@ -153,9 +153,10 @@ def test_two_servers_share_the_daemon_and_sigterm_ends_one_cleanly(live, referen
         st = daemon_stats(live["daemon"])
         assert proc.pid in {s["pid"] for s in st["sessions"]}
         mine = next(s for s in st["sessions"] if s["pid"] == proc.pid)
-        # the first server already brought in the records this prompt needs
-        # (give or take a prefetch that one of them cancelled before its read)
-        assert st["counters"]["reads"] - reads <= mine["misses"] < mine["hits"]
+        # the first server already brought in the records this prompt needs:
+        # the second finds them in the arena with no message, and its few
+        # demands (records the first never needed) are all the reads it adds
+        assert st["counters"]["reads"] - reads <= mine["misses"] <= reads // 4
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
         assert rc == 0, proc.stderr.read()[-4000:]

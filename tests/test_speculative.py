@@ -12,7 +12,7 @@ from mlx_lm.utils import load_model
 
 from infer.loader import load_streaming
 from infer.ngram import NgramDrafter
-from infer.sources import SyncSource
+from iod.inproc import InprocSource
 from infer.speculative import (
     AutoPolicy,
     CacheCheckpoint,
@@ -41,16 +41,16 @@ def spec(model, prompt, n=N, **kw):
     return out, stats
 
 
-class CountingSource(SyncSource):
-    """SyncSource that remembers which layers it was asked for, per call."""
+class CountingSource(InprocSource):
+    """An in-process source that remembers which layers it was asked for, per call."""
 
     def __init__(self, model_dir):
-        super().__init__(model_dir)
+        super().__init__(model_dir, arena=64 << 20)
         self.calls = []
 
-    def fetch(self, layer, experts):
+    def fetch_into(self, layer, experts, sink):
         self.calls.append((layer, len(experts)))
-        return super().fetch(layer, experts)
+        return super().fetch_into(layer, experts, sink)
 
 
 @pytest.fixture(scope="module")
@@ -311,7 +311,7 @@ def test_sliding_window_wrap_stays_exact(prep_model):
     buffer wraps: they are rolled back from recorded states instead, and
     drafting carries on past the window with exact ids."""
     prep = prep_model("gpt_oss")
-    source = SyncSource(prep)
+    source = InprocSource(prep, arena=64 << 20)
     model, _, store = load_streaming(prep, source, cache_bytes=1 << 18)
     window = model.args.sliding_window
     p = [(7 * i) % 900 + 3 for i in range(window - 40)]

@@ -6,7 +6,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
 from infer.loader import load_streaming
-from infer.sources import SyncSource
+from iod.inproc import InprocSource
 from infer.streaming import LayerStack
 from shared.blob import plan_layer
 
@@ -43,7 +43,7 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
 
     expert_bytes = None
     for cache_fraction in (1.0, 0.15, 0.0):
-        source = SyncSource(prep)
+        source = InprocSource(prep, arena=64 << 20)
         if expert_bytes is None:
             expert_bytes = source.manifest.expert_bytes
         model, _, store = load_streaming(prep, source, int(expert_bytes * cache_fraction))
@@ -60,7 +60,7 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
 
 def test_prediction_is_scored_per_depth(synth_model, prep_model):
     prep = prep_model("qwen3_moe")
-    source = SyncSource(prep)
+    source = InprocSource(prep, arena=64 << 20)
     model, tokenizer, store = load_streaming(prep, source, 0)
     greedy(model, tokenizer.encode(PROMPT), n=8)
     stats = store.prediction_stats()
@@ -70,24 +70,54 @@ def test_prediction_is_scored_per_depth(synth_model, prep_model):
     source.close()
 
 
-def _expert(layout, value):
-    return {
-        (seg.projection, seg.tensor): mx.full(seg.shape, value, dtype=mx.uint32)
-        for seg in layout.segments
-    }
+def _batch(layout, values):
+    """A Batch of records whose every uint32 word is the record's value."""
+    import numpy as np
+
+    from shared.source import Batch
+
+    n = layout.record_bytes // 4
+    buf = np.concatenate([np.full(n, v, dtype=np.uint32) for v in values]).view(np.uint8)
+    return Batch(memoryview(buf), list(values), [i * layout.record_bytes for i in range(len(values))],
+                 [layout.record_bytes] * len(values))
+
+
+def _insert(stack, layout, e, keep=()):
+    pos = stack.place(e, keep)
+    if pos is not None:
+        stack.copy_in(_batch(layout, [e]), [pos])
+    return pos is not None
 
 
 def test_stack_evicts_least_recently_used_in_place():
     layout = plan_layer(0, "m", [("fc1", "weight", "uint32", (4, 2), 4, 8)])
     stack = LayerStack(layout, capacity=3)
     for e in range(3):
-        assert stack.insert(e, _expert(layout, e), keep=())
+        assert _insert(stack, layout, e)
     stack.touch(0)  # 0 becomes most recent; 1 is now the LRU one
-    assert stack.insert(3, _expert(layout, 3), keep=())
+    assert _insert(stack, layout, 3)
     assert 1 not in stack and all(e in stack for e in (0, 2, 3))
     weights = stack.arrays[("fc1", "weight")]
     for e in (0, 2, 3):
         assert (weights[stack.position[e]] == e).all().item()
     # experts the current call needs are never evicted
-    assert not stack.insert(4, _expert(layout, 4), keep={0, 2, 3})
+    assert not _insert(stack, layout, 4, keep={0, 2, 3})
     assert 4 not in stack
+
+
+def test_stack_copies_a_batch_in_one_go_and_keeps_identity_positions():
+    layout = plan_layer(0, "m", [("fc1", "weight", "uint32", (4, 2), 4, 4),
+                                 ("fc1", "scales", "uint32", (2,), 4, 4)])
+    stack = LayerStack(layout, capacity=4)  # holds every expert: expert e at position e
+    assert stack.identity and not stack.complete
+    batch = _batch(layout, [3, 1])
+    positions = [stack.place(e, keep={3, 1}) for e in batch.experts]
+    assert positions == [3, 1]
+    stack.copy_in(batch, positions)
+    for key in stack.arrays:
+        for e in (1, 3):
+            assert (stack.arrays[key][e] == e).all().item(), key
+        assert (stack.arrays[key][0] == 0).all().item()
+    for e in (0, 2):
+        stack.copy_in(_batch(layout, [e]), [stack.place(e, keep={e})])
+    assert stack.complete
