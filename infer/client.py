@@ -15,6 +15,7 @@ import atexit
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -24,7 +25,7 @@ import zmq
 
 import native
 from shared.launch import ensure_run_dir, lock_holder, pid_alive, spawn
-from shared import codec, paths
+from shared import codec, paths, trust
 from shared import protocol as P
 from shared import slots as S
 from shared.blob import Manifest, ManifestError, manifest_hash
@@ -110,11 +111,15 @@ class IodClient:
         self._dead = None
         if self.iod == "auto":
             sock = paths.socket_path()
-            pid = _lock_pid(sock)
-            if pid > 0 and sock.exists():
+            try:  # only a daemon of our uid, in a folder only we control
+                pid = _lock_pid(sock) if trust.check_daemon(sock) else 0
+            except OSError as e:
+                pid = _say_unusable(sock, e)
+            if pid > 0:
                 try:
                     return self._attach(sock, pid)
-                except IodError:  # gone, full, or its arena cannot take this model
+                except IodError as e:  # gone, full, or its arena cannot take this model
+                    _say_unusable(sock, e)
                     self._detach()
             sock, pid = self._start_private()
             return self._attach(sock, pid)
@@ -124,6 +129,11 @@ class IodClient:
         pid = _lock_pid(sock)
         if pid == 0 and paths.lock_path(sock.parent).exists():
             raise DaemonDead(f"no iod daemon at {sock} (not running)")
+        try:
+            if not trust.check_daemon(sock):
+                raise DaemonDead(f"no iod daemon at {sock} (nothing listens)")
+        except trust.Untrusted as e:
+            raise IodError(f"refusing the iod daemon at {sock}: {e}") from None
         self._attach(sock, pid)
 
     def _attach(self, sock: Path, pid: int):
@@ -180,12 +190,17 @@ class IodClient:
 
     def _map(self, name):
         # shm_open + mmap directly: never registered with the resource tracker
-        fd = native.shm_open_readonly(name)
         try:
-            size = os.fstat(fd).st_size
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+            fd = native.shm_open_readonly(name)
+            try:
+                trust.check_arena_fd(fd, name)  # ours and 0600, or refused
+                size = os.fstat(fd).st_size
+                self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        except OSError as e:  # trust.Untrusted included
+            self._detach()
+            raise IodError(f"cannot map the arena {name}: {e}") from None
         self._view = memoryview(self._mm)
         magic, version, slot_size, count, data_off, _ = S.ARENA_HEADER.unpack_from(self._view, 0)
         if magic != S.ARENA_MAGIC or (slot_size, count, data_off) != (
@@ -558,6 +573,19 @@ def _sweep_private_dirs(base: Path, min_age_s: float = 60.0) -> None:
                 shutil.rmtree(d, ignore_errors=True)
         except OSError:
             pass
+
+
+_said = set()
+
+
+def _say_unusable(sock, why) -> int:
+    """Say once on stderr why a private daemon is started instead of the
+    shared one; returns 0 (no shared daemon to use)."""
+    line = f"iod: the shared daemon at {sock} is not usable ({why}); starting a private one"
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr, flush=True)
+    return 0
 
 
 def _lock_pid(sock: Path) -> int:

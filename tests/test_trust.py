@@ -1,0 +1,363 @@
+"""Trust and fault boundaries (docs/reliability.md, section 8): each test
+performs the attack or the fault for real.
+
+Another user is a real non-root account (created with useradd, kept for
+later runs) in a forked child that has dropped to it: the venv's python
+lives under /root, which that user cannot exec, so the child runs the code
+this process has already imported. Root only; Linux only (/dev/shm, unshare).
+"""
+
+import json
+import mmap
+import os
+import pwd
+import select
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import traceback  # noqa: F401  (imported before any fork: the other user cannot read the stdlib)
+from pathlib import Path
+
+import pytest
+
+import iod.cli  # noqa: F401  (the same: everything a forked daemon needs)
+import iod.server  # noqa: F401
+import native
+from iod import runtime
+from shared import blob, paths, trust
+from shared import protocol as P
+from shared import slots as S
+from tests.iod_fixtures import PY, LiveDaemon, Raw, make_prep, record_bytes, short_dir, wait_for
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not sys.platform.startswith("linux"),
+                                reason="needs root (real other users) and Linux")
+
+E = P.ErrorCode
+ATTACKER = "iodtrust"  # another user of the machine
+VICTIM = "iodtrust2"  # a non-root user whose daemon must start despite the attacker
+
+
+def account(name):
+    """(uid, gid) of a real non-root account, created if needed."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        name], check=True, capture_output=True)
+        pw = pwd.getpwnam(name)
+    assert pw.pw_uid != 0
+    return pw.pw_uid, pw.pw_gid
+
+
+class AsUser:
+    """``fn(report_fd)`` in a forked child that has become ``user``; the child
+    reports lines on the pipe and runs until ``fn`` returns or ``stop()``."""
+
+    def __init__(self, user, fn):
+        uid, gid = account(user)
+        self.r, w = os.pipe()
+        self.buf = b""
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                os.close(self.r)
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+                code = fn(w) or 0
+            except BaseException as e:  # noqa: BLE001  (report anything)
+                os.write(w, f"error {e!r}\n".encode())
+            finally:
+                os._exit(code)
+        os.close(w)
+
+    def line(self, timeout=20.0) -> str:
+        end = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([self.r], [], [], left)[0]:
+                raise TimeoutError("no report from the other user's process")
+            chunk = os.read(self.r, 4096)
+            if not chunk:
+                raise EOFError(f"the other user's process ended: {self.buf!r}")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def lines_now(self) -> list:
+        out = []
+        while select.select([self.r], [], [], 0.2)[0]:
+            chunk = os.read(self.r, 4096)
+            if not chunk:
+                break
+            self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            out.append(line.decode())
+        return out
+
+    def wait(self, timeout=20.0) -> int:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.pid = 0
+                os.close(self.r)
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        raise TimeoutError(f"pid {self.pid} did not exit")
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if not self.pid:
+            return 0
+        os.kill(self.pid, sig)
+        try:
+            return self.wait()
+        except TimeoutError:
+            os.kill(self.pid, signal.SIGKILL)
+            return self.wait()
+
+
+def as_user(user, fn):
+    """The JSON result of ``fn()`` run as ``user`` (a one-shot AsUser)."""
+    def child(w):
+        os.write(w, (json.dumps(fn()) + "\n").encode())
+
+    p = AsUser(user, child)
+    try:
+        line = p.line()
+        assert not line.startswith("error"), line
+        return json.loads(line)
+    finally:
+        p.wait()
+
+
+def sticky_dir() -> Path:
+    """A root-owned, world-writable, sticky folder: what /tmp is."""
+    d = Path(tempfile.mkdtemp(prefix="iodtt-", dir="/tmp"))
+    d.chmod(0o1777)
+    return d
+
+
+def cli(*args, timeout=60):
+    t = time.monotonic()
+    p = subprocess.run([PY, "-m", "iod.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout)
+    return p, time.monotonic() - t
+
+
+def emit(check, figures):
+    """One JSON line of figures per check (run with -s to see them)."""
+    print(json.dumps({"check": check, **figures}))
+
+
+def one_line(text) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def gone(pid) -> bool:
+    """Exited (a zombie nobody reaped counts: it holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def shm_exists(name) -> bool:
+    return os.path.lexists("/dev/shm" + name)
+
+
+# ---- 1. a session trusts only a daemon of its own uid ----------------------------
+
+
+def fake_daemon(folder: Path, mhash: str, slot_size: int):
+    """The attacker's daemon (run as the attacker): makes the victim's run
+    dir first, holds its lock, and answers HELLO with an arena of the
+    attacker's bytes that the victim could map (0644)."""
+    import fcntl
+
+    import zmq
+
+    from shared import codec
+
+    def run(w):
+        os.umask(0)
+        folder.mkdir(mode=0o755)
+        lock = os.open(folder / "iod.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.write(lock, f"{os.getpid()}\n".encode())
+        count = 4
+        size = S.arena_bytes(slot_size, count)
+        name = f"/iod.{os.getuid()}.{os.getpid()}.evil"
+        fd = native.shm_create(name, size)
+        os.fchmod(fd, 0o644)
+        mm = mmap.mmap(fd, size)
+        mm[:] = b"\xaa" * size  # the attacker's "expert" bytes
+        S.ARENA_HEADER.pack_into(mm, 0, S.ARENA_MAGIC, S.ARENA_VERSION, slot_size, count,
+                                 S.data_offset(count), os.getpid())
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.ROUTER)
+        s.bind(f"ipc://{folder / 'iod.sock'}")
+        os.chmod(folder / "iod.sock", 0o666)
+        os.write(w, f"ready {name}\n".encode())
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+        try:
+            while not stop:
+                if not s.poll(100):
+                    continue
+                ident, *frames = s.recv_multipart()
+                msg = codec.decode(frames)
+                if isinstance(msg, P.Hello):
+                    os.write(w, f"hello {msg.pid}\n".encode())
+                    s.send_multipart([ident, *codec.encode(P.HelloOk(
+                        msg.req_id, 1, 1, os.getpid(), name, slot_size, count,
+                        S.data_offset(count), mhash))])
+        finally:
+            native.shm_unlink(name)
+            s.close(linger=0)
+            ctx.term()
+
+    return run
+
+
+def test_shared_daemon_of_another_user_is_refused(model, monkeypatch, capfd):
+    """Another user makes our default run dir first and runs a daemon there
+    that would serve us its own bytes: the session refuses it with one line
+    naming the path and owner, and a private daemon serves the file's bytes."""
+    from infer.client import IodClient
+
+    auid, _ = account(ATTACKER)
+    base = sticky_dir()
+    run = base / "run"
+    stride = blob.Manifest.load(model).max_stride
+    evil = AsUser(ATTACKER, fake_daemon(run, blob.manifest_hash(model), S.round_up(stride, S.PAGE)))
+    try:
+        ready = evil.line()
+        assert ready.startswith("ready"), ready
+        evil_shm = ready.split()[1]
+        # the attack is real: that daemon answers a session's HELLO with its own arena
+        r = Raw(run / "iod.sock")
+        ok = r.hello(model)
+        r.close()
+        assert isinstance(ok, P.HelloOk) and ok.shm_name == evil_shm
+        assert evil.line() == f"hello {os.getpid()}"
+
+        monkeypatch.setenv("IOD_RUN_DIR", str(run))
+        capfd.readouterr()
+        with IodClient(model, iod="auto") as c:
+            assert c.shm_name != evil_shm and c.daemon_pid != evil.pid
+            assert c._private is not None and c.shm_name.startswith("/iod.0.")
+            err = capfd.readouterr().err
+            said = [x for x in err.splitlines() if x.startswith("iod:")]
+            assert said == [
+                f"iod: the shared daemon at {run / 'iod.sock'} is not usable (run dir {run} is "
+                f"owned by uid {auid} ({ATTACKER}), not by you (uid 0 (root))); starting a "
+                f"private one"], err
+            layout = c.manifest.layers[0]
+            views = c.fetch(layout.layer, [0, 1])
+            assert all(bytes(views[e]) == record_bytes(model, layout, e) for e in (0, 1))
+            del views
+            c.release(layout.layer, [0, 1])
+        assert evil.lines_now() == []  # the session never said HELLO to it
+        assert sorted(os.listdir(run)) == ["iod.lock", "iod.sock"]  # nothing of ours went there
+    finally:
+        evil.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    assert not shm_exists(evil_shm)
+
+
+def test_socket_of_ours_served_by_another_uid_is_refused(model, tmp_path):
+    """A socket file we own in a run dir we own, but another uid listens on
+    it: the kernel's peer credentials refuse it (explicit --iod SOCKET)."""
+    from infer.client import IodClient, IodError
+
+    auid, agid = account(ATTACKER)
+    theirs = Path(tempfile.mkdtemp(prefix="iodtt-", dir="/tmp"))
+    os.chown(theirs, auid, agid)
+    ours = short_dir()
+
+    def listen(w):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(theirs / "s.sock"))
+        s.listen(8)
+        os.write(w, b"ready\n")
+        while True:  # until SIGTERM
+            time.sleep(1)
+
+    listener = AsUser(ATTACKER, listen)
+    sock = ours / "iod.sock"
+    try:
+        assert listener.line() == "ready"
+        os.rename(theirs / "s.sock", sock)  # the file is ours now; the listener is not
+        os.lchown(sock, 0, 0)
+        trust.check_run_dir(ours)
+        trust.check_socket(sock)
+        with pytest.raises(trust.Untrusted) as e:
+            trust.daemon_peer(sock)
+        want = f"socket {sock} is served by pid {listener.pid} of uid {auid} ({ATTACKER})"
+        assert want in str(e.value)
+        with pytest.raises(IodError) as e:
+            IodClient(model, iod=str(sock))
+        assert one_line(str(e.value)).startswith(f"refusing the iod daemon at {sock}: {want}")
+    finally:
+        listener.stop()
+        shutil.rmtree(theirs, ignore_errors=True)
+        shutil.rmtree(ours, ignore_errors=True)
+
+
+def test_arena_segment_of_another_user_or_mode_is_refused():
+    auid, _ = account(ATTACKER)
+    theirs = f"/iodtt.{os.getpid()}.a"
+    loose = f"/iodtt.{os.getpid()}.b"
+
+    def make():
+        os.close(native.shm_create(theirs, 4096))
+        os.chmod("/dev/shm" + theirs, 0o644)
+        return "ok"
+
+    try:
+        assert as_user(ATTACKER, make) == "ok"
+        fd = native.shm_open_readonly(theirs)
+        with pytest.raises(trust.Untrusted) as e:
+            trust.check_arena_fd(fd, theirs)
+        os.close(fd)
+        assert str(e.value) == (f"shared memory {theirs} is owned by uid {auid} ({ATTACKER}), "
+                                f"not by you (uid 0 (root))")
+        os.close(native.shm_create(loose, 4096))
+        os.chmod("/dev/shm" + loose, 0o644)
+        fd = native.shm_open_readonly(loose)
+        with pytest.raises(trust.Untrusted) as e:
+            trust.check_arena_fd(fd, loose)
+        os.close(fd)
+        assert "has mode 0644, not 0600" in str(e.value)
+    finally:
+        native.shm_unlink(theirs)
+        native.shm_unlink(loose)
+
+
+def test_explicit_socket_in_a_loose_run_dir_is_refused(model):
+    from infer.client import IodClient, IodError
+
+    d = LiveDaemon(args=["--arena", "16M"])
+    try:
+        d.folder.chmod(0o755)
+        with pytest.raises(IodError) as e:
+            IodClient(model, iod=str(d.socket))
+        assert one_line(str(e.value)) == (f"refusing the iod daemon at {d.socket}: run dir "
+                                          f"{d.folder} has mode 0755, not 0700: others can "
+                                          f"reach it")
+        d.folder.chmod(0o700)
+        with IodClient(model, iod=str(d.socket)) as c:
+            assert c.daemon_pid == d.pid
+    finally:
+        d.stop()
