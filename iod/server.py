@@ -25,7 +25,7 @@ import zmq
 from shared import codec, paths
 from shared import protocol as P
 from shared import slots as S
-from shared.blob import Manifest, ManifestError, manifest_hash
+from shared.blob import Manifest, ManifestError
 
 from . import arena as arena_mod
 from . import reader as reader_mod
@@ -74,15 +74,10 @@ class Model:
 
     def open(self):
         for layer, l in self.layouts.items():
-            path = self.dir / l.file
-            try:
-                size = path.stat().st_size
-            except OSError as e:
-                raise Failure(E.BAD_MODEL, f"{path}: {e.strerror}", layer)
-            need = (l.num_experts - 1) * l.stride + l.record_bytes
-            if size < need or len(l.checksums) != l.num_experts:
-                raise Failure(E.BAD_MODEL, f"{path}: {size} bytes, layout needs {need}", layer)
-            self.fds[layer] = reader_mod.open_blob(path)
+            try:  # inside the folder, a regular file, long enough (shared.blob.open_blob)
+                self.fds[layer] = reader_mod.open_blob(self.dir, l)
+            except (ManifestError, OSError) as e:
+                raise Failure(E.BAD_MODEL, str(e), layer)
 
     def close(self):
         for fd, _ in self.fds.values():
@@ -404,8 +399,7 @@ class Daemon:
         if not folder.is_dir():
             raise Failure(E.BAD_MODEL, f"{folder} is not a folder")
         try:
-            manifest = Manifest.load(folder)
-            mhash = manifest_hash(folder)
+            manifest, mhash = Manifest.load_with_hash(folder)  # one bounded, non-blocking read
         except (ManifestError, OSError) as e:
             raise Failure(E.BAD_MODEL, f"{folder}: {e}")
         known = self.model_by_dir.get(folder)

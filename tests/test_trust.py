@@ -361,3 +361,83 @@ def test_explicit_socket_in_a_loose_run_dir_is_refused(model):
             assert c.daemon_pid == d.pid
     finally:
         d.stop()
+
+
+# ---- 3. the prep folder is a boundary --------------------------------------------
+
+
+def _prep_variant(root: Path, name: str, edit=None, blob_as=None) -> Path:
+    """A small prep folder whose manifest (edit(dict)) or layer-0 blob is changed."""
+    folder = root / name
+    make_prep(folder, records=(5000,), num_experts=2)
+    if edit:
+        d = json.loads((folder / blob.MANIFEST_NAME).read_text())
+        edit(d)
+        (folder / blob.MANIFEST_NAME).write_text(json.dumps(d))
+    if blob_as:
+        (folder / "layer000.blob").unlink()
+        blob_as(folder / "layer000.blob")
+    return folder
+
+
+def _sparse_manifest(folder: Path):
+    folder.mkdir()
+    with open(folder / blob.MANIFEST_NAME, "wb") as f:
+        f.truncate(blob.MANIFEST_MAX_BYTES + 1)
+
+
+def test_prep_folder_is_a_boundary(model, tmp_path):
+    """A FIFO manifest or blob is refused at once (the daemon's loop never
+    blocks on it), a blob named by absolute path, by `..` or by a symlink
+    out of the folder is refused, an oversized manifest is refused; the
+    daemon answers `iod status` throughout and serves a good model after."""
+    outside = tmp_path / "outside.blob"
+    outside.write_bytes(bytes(16384))
+    cases = {
+        "fifo_manifest": (tmp_path / "fifo_manifest",
+                          lambda f: (f.mkdir(), os.mkfifo(f / blob.MANIFEST_NAME)),
+                          "manifest.json is not a regular file"),
+        "fifo_blob": (_prep_variant(tmp_path, "fifo_blob", blob_as=os.mkfifo), None,
+                      "layer000.blob is not a regular file"),
+        "absolute": (_prep_variant(tmp_path, "absolute",
+                                   edit=lambda d: d["layers"][0].update(file=str(outside))), None,
+                     f"file name {str(outside)!r} is not a plain relative path"),
+        "dotdot": (_prep_variant(tmp_path, "dotdot",
+                                 edit=lambda d: d["layers"][0].update(file="../outside.blob")),
+                   None, "file name '../outside.blob' is not a plain relative path"),
+        "symlink_out": (_prep_variant(tmp_path, "symlink_out",
+                                      blob_as=lambda p: os.symlink(outside, p)), None,
+                        f"resolves to {outside}, outside the prep folder"),
+        "device": (_prep_variant(tmp_path, "device", blob_as=lambda p: os.symlink("/dev/zero", p)),
+                   None, "resolves to /dev/zero, outside the prep folder"),
+        "no_experts": (_prep_variant(tmp_path, "no_experts", edit=lambda d: d["layers"][0].update(
+            num_experts=0, checksums=[])), None, "impossible layout (experts 0"),
+        "huge_manifest": (tmp_path / "huge_manifest", _sparse_manifest,
+                          f"{blob.MANIFEST_MAX_BYTES + 1} bytes, more than the 64 MiB a "
+                          f"manifest may have"),
+    }
+    d = LiveDaemon(args=["--arena", "16M"])
+    try:
+        r = Raw(d.socket)
+        assert isinstance(r.hello(model), P.HelloOk)  # lays out the slots for the big model
+        refused_ms = {}
+        for case, (folder, make, want) in cases.items():
+            if make:
+                make(folder)
+            t = time.monotonic()
+            bad = Raw(d.socket)
+            reply = bad.hello(folder, pid=os.getpid())
+            bad.close()
+            assert isinstance(reply, P.Error) and reply.code == E.BAD_MODEL, (case, reply)
+            assert want in reply.message and "\n" not in reply.message, (case, reply.message)
+            refused_ms[case] = round((time.monotonic() - t) * 1e3, 1)
+            assert refused_ms[case] < 10e3, case  # refused, not waited on
+            p, _ = cli("status", "--json", "--socket", d.socket, "--timeout", "5")
+            assert p.returncode == 0 and json.loads(p.stdout)["pid"] == d.pid, (case, p.stderr)
+        reply = r.rt(P.Acquire(r.req(), 1, 0, [0], True))
+        assert isinstance(reply, P.AcquireOk)
+        assert d.proc.poll() is None and "Traceback" not in d.logtext()
+        r.close()
+        emit("prep_boundary", {"refused_ms": refused_ms})
+    finally:
+        d.stop()
