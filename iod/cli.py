@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared import paths
+from shared import paths, trust
 from shared.launch import lock_holder, spawn
 
 from . import runtime
@@ -115,6 +115,7 @@ def start_foreground(args, sock: Path) -> int:
         _say(ready_fd, f"ERROR cannot start: {e}")
         if daemon is not None and hasattr(daemon, "arena"):
             daemon.arena.close(unlink=True)
+        paths.arena_record_path(folder).unlink(missing_ok=True)
         _release_lock(folder, lock_fd)
         return 1
     print(f"iod: ready (pid {os.getpid()}, socket {sock}, arena {daemon.shm_name} "
@@ -140,9 +141,12 @@ def _release_lock(folder, fd):
 
 def start_detached(args, sock: Path) -> int:
     folder = sock.parent
+    lock = paths.lock_path(folder)
     try:
         runtime.ensure_run_dir(folder)
-        pid = lock_holder(paths.lock_path(folder))
+        if os.path.lexists(lock):
+            trust.check_lock(lock)
+        pid = lock_holder(lock)
     except OSError as e:
         print(f"iod: {e}", file=sys.stderr)
         return 1

@@ -1,18 +1,22 @@
-"""The daemon's footprint on the machine: run dir, lock file, stale sweeps.
+"""The daemon's footprint on the machine: run dir, lock file, stale sweeps
+and the arena record.
 
 Kept free of heavy imports: ``iod start`` checks the lock with it before it
-spawns anything, so a second start is refused quickly.
+spawns anything, so a second start is refused quickly. Files are opened
+without following symlinks or waiting on FIFOs (``SAFE_OPEN``), and checked
+by fstat of what was opened.
 """
 
 import errno
 import fcntl
 import os
+import stat
 import sys
 from pathlib import Path
 
 from shared import paths
-from shared.launch import ensure_run_dir, pid_alive, read_pid  # noqa: F401
-
+from shared.launch import SAFE_OPEN, ensure_run_dir, pid_alive, read_pid  # noqa: F401
+from shared.trust import Untrusted
 
 class AlreadyRunning(RuntimeError):
     def __init__(self, pid):
@@ -20,12 +24,41 @@ class AlreadyRunning(RuntimeError):
         self.pid = pid
 
 
+def _open_private(path: Path, flags: int) -> int:
+    """Open a file of the run dir: created 0600 if missing; an existing one
+    must be a regular file of ours with mode 0600 (never chmodded)."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600)
+        made = True
+    except FileExistsError:
+        try:
+            fd = os.open(path, flags | SAFE_OPEN)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise Untrusted(f"{path} is a symlink; iod follows none") from None
+            raise
+        made = False
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = f"{path} is not a regular file"
+    elif st.st_uid != os.getuid():
+        problem = f"{path} is owned by uid {st.st_uid}, not by you"
+    elif not made and st.st_mode & 0o077:
+        problem = f"{path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    if problem:
+        os.close(fd)
+        raise Untrusted(problem)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def take_lock(lock_file: Path) -> int:
     """flock the lock file and write our pid in it; returns the fd (keep it
     open for the daemon's life). Raises AlreadyRunning naming the holder.
     A SIGKILLed holder's lock is released by the kernel, so it never blocks."""
     while True:
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_private(lock_file, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -35,7 +68,7 @@ def take_lock(lock_file: Path) -> int:
             raise
         # a stopping daemon may have unlinked the file we locked: lock the new one
         try:
-            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+            same = os.lstat(lock_file).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -43,8 +76,24 @@ def take_lock(lock_file: Path) -> int:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    os.fchmod(fd, 0o600)
     return fd
+
+
+def write_arena_record(folder: Path, name: str) -> None:
+    """Name our segment in ``arena.name`` (atomically), so a restart or
+    ``iod stop`` can remove it after a SIGKILL on any OS."""
+    rec = paths.arena_record_path(folder)
+    tmp = rec.with_suffix(".tmp")
+    try:
+        tmp.unlink()  # a leftover (or a planted symlink): never written through
+    except FileNotFoundError:
+        pass
+    fd = _open_private(tmp, os.O_WRONLY)
+    try:
+        os.write(fd, (name + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, rec)
 
 
 def sweep_stale(folder: Path, sock: Path, unlink) -> list:
@@ -54,10 +103,7 @@ def sweep_stale(folder: Path, sock: Path, unlink) -> list:
     removed = []
     record = paths.arena_record_path(folder)
     names = []
-    try:
-        names.append(record.read_text().strip())
-    except OSError:
-        pass
+    names.append(_read_record(record))
     if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
         prefix = paths.shm_prefix()
         names += ["/" + n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
@@ -76,3 +122,16 @@ def sweep_stale(folder: Path, sock: Path, unlink) -> list:
         except FileNotFoundError:
             pass
     return removed
+
+
+def _read_record(rec: Path) -> str:
+    try:
+        fd = os.open(rec, os.O_RDONLY | SAFE_OPEN)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, 256).decode(errors="replace").strip()
+    finally:
+        os.close(fd)

@@ -29,6 +29,7 @@ from shared.blob import Manifest, ManifestError
 
 from . import arena as arena_mod
 from . import reader as reader_mod
+from . import runtime
 from shared.launch import pid_alive
 from .stats import Latency
 
@@ -179,10 +180,7 @@ class Daemon:
         cfg = self.cfg
         self.shm_name = paths.shm_name(os.getpid())
         self.arena = arena_mod.Arena(self.shm_name, cfg.arena_size, cfg.prefault)
-        rec = paths.arena_record_path(self.folder)
-        tmp = rec.with_suffix(".tmp")
-        tmp.write_text(self.shm_name + "\n")
-        os.replace(tmp, rec)
+        runtime.write_arena_record(self.folder, self.shm_name)
         if cfg.slot_size:
             self.arena.layout(cfg.slot_size)
         self.wake_r, self.wake_w = os.pipe()

@@ -363,6 +363,108 @@ def test_explicit_socket_in_a_loose_run_dir_is_refused(model):
         d.stop()
 
 
+# ---- 2a. the daemon adopts nothing it did not make: run dir, lock, log, arena.name ---
+
+
+def test_run_dir_under_a_folder_others_can_write_is_refused(tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o777)  # not sticky: anyone could rename our run dir away
+    with pytest.raises(trust.Untrusted) as e:
+        runtime.ensure_run_dir(loose / "run")
+    assert str(e.value).startswith(f"run dir {loose / 'run'}: its ancestor {loose} (owned by "
+                                   f"uid 0 (root)) is writable by others (mode 0777)")
+    loose.chmod(0o1777)  # sticky, as /tmp: fine
+    runtime.ensure_run_dir(loose / "run")
+
+
+def test_foreign_or_symlinked_run_dir_is_refused_untouched():
+    """Another user plants the run dir, as a folder of theirs or as a
+    symlink to a folder of ours: `iod start` refuses with one line, chmods
+    nothing and writes nothing there."""
+    auid, agid = account(ATTACKER)
+    base = Path(tempfile.mkdtemp(prefix="iodtt-", dir="/tmp"))
+    os.chown(base, auid, agid)
+    target = Path(tempfile.mkdtemp(prefix="iodtt-", dir="/tmp"))
+    target.chmod(0o755)
+    (target / "keep").write_text("precious")
+
+    def plant():
+        (base / "mine").mkdir(mode=0o777)
+        os.chmod(base / "mine", 0o777)
+        os.symlink(target, base / "link")
+        return "ok"
+
+    try:
+        assert as_user(ATTACKER, plant) == "ok"
+        p, _ = cli("start", "--socket", base / "link" / "iod.sock", "--arena", "16M")
+        assert p.returncode == 1
+        assert one_line(p.stderr) == (f"iod: run dir {base / 'link'} is a symlink (to {target}), "
+                                      f"owned by uid {auid} ({ATTACKER})")
+        assert stat.S_IMODE(target.stat().st_mode) == 0o755  # not chmodded
+        assert sorted(os.listdir(target)) == ["keep"]  # nothing written through the link
+        p, _ = cli("start", "--socket", base / "mine" / "iod.sock", "--arena", "16M")
+        assert p.returncode == 1
+        assert one_line(p.stderr) == (f"iod: run dir {base / 'mine'} is owned by uid {auid} "
+                                      f"({ATTACKER}), not by you (uid 0 (root))")
+        assert os.listdir(base / "mine") == []
+        assert stat.S_IMODE((base / "mine").stat().st_mode) == 0o777
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def test_own_run_dir_with_a_loose_mode_is_refused_not_chmodded():
+    folder = short_dir()
+    try:
+        folder.chmod(0o750)
+        p, _ = cli("start", "--socket", folder / "iod.sock", "--arena", "16M")
+        assert p.returncode == 1
+        assert one_line(p.stderr) == (f"iod: run dir {folder} has mode 0750, not 0700: others "
+                                      f"can reach it")
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o750 and os.listdir(folder) == []
+    finally:
+        shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("name", ["iod.lock", "iod.log"])
+def test_symlinked_lock_or_log_is_never_written_through(name):
+    folder = short_dir()
+    target = Path(tempfile.mkdtemp(prefix="iodtt-", dir="/tmp")) / "precious"
+    target.write_text("precious\n")
+    target.chmod(0o644)
+    os.symlink(target, folder / name)
+    try:
+        p, _ = cli("start", "--socket", folder / "iod.sock", "--arena", "16M")
+        assert p.returncode == 1, p.stderr
+        want = {"iod.lock": f"iod: lock {folder / name} is a symlink (owned by uid 0 (root))",
+                "iod.log": f"iod: log {folder / name} is a symlink; iod writes through none"}
+        assert one_line(p.stderr) == want[name]
+        assert target.read_text() == "precious\n" and stat.S_IMODE(target.stat().st_mode) == 0o644
+        assert sorted(os.listdir(folder)) == [name]  # no daemon, nothing else made
+    finally:
+        shutil.rmtree(folder)
+        shutil.rmtree(target.parent)
+
+
+def test_symlinked_arena_record_is_replaced_not_followed(model):
+    folder = short_dir()
+    target = Path(tempfile.mkdtemp(prefix="iodtt-", dir="/tmp")) / "precious"
+    target.write_text("precious\n")
+    for name in ("arena.name", "arena.name.tmp"):
+        os.symlink(target, folder / name)
+    d = LiveDaemon(folder, args=["--arena", "16M"])
+    try:
+        assert target.read_text() == "precious\n"
+        rec = folder / "arena.name"
+        assert stat.S_ISREG(rec.lstat().st_mode) and stat.S_IMODE(rec.lstat().st_mode) == 0o600
+        assert shm_exists(d.shm_name())
+    finally:
+        d.stop()
+        shutil.rmtree(folder)
+        shutil.rmtree(target.parent)
+
+
 # ---- 3. the prep folder is a boundary --------------------------------------------
 
 
