@@ -17,10 +17,34 @@ import threading
 from collections import OrderedDict
 
 import native
+from shared import paths
 from shared import slots as S
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+NAME_TRIES = 16
+
+
+class ArenaError(RuntimeError):
+    """The arena cannot be made; the message is one line."""
+
+
+def create_segment(size: int, names=None) -> tuple:
+    """(name, fd) of a new segment: a fresh unguessable name, created with
+    O_EXCL (``native.shm_create``). A name already
+    taken (squatted, or a collision) is skipped for the next, so nobody can
+    block a start by creating names ahead."""
+    names = names or (paths.shm_name() for _ in range(NAME_TRIES))
+    tried = 0
+    for name in names:
+        tried += 1
+        try:
+            return name, native.shm_create(name, size)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise ArenaError(f"cannot create shared memory {name}: {e.strerror}") from None
+    raise ArenaError(f"no free shared-memory name after {tried} tries")
 
 
 class Slot:
@@ -37,14 +61,17 @@ class Slot:
 
 class Arena:
     """A POSIX shm segment of ``size`` bytes; slots are laid out once the
-    slot size is known (``layout``)."""
+    slot size is known (``layout``). ``name`` None: a fresh one
+    (``create_segment``)."""
 
-    def __init__(self, name: str, size: int, prefault: bool = False):
-        self.name = name
+    def __init__(self, name, size: int, prefault: bool = False):
+        self.name, fd = create_segment(size, [name] if name else None)
         self.size = size
-        fd = native.shm_create(name, size)
         try:
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            native.shm_unlink(self.name)
+            raise
         finally:
             os.close(fd)
         self.buf = memoryview(self.mm)

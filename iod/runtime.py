@@ -96,34 +96,6 @@ def write_arena_record(folder: Path, name: str) -> None:
     os.replace(tmp, rec)
 
 
-def sweep_stale(folder: Path, sock: Path, unlink) -> list:
-    """Remove what dead daemons left: the segment named in arena.name and,
-    where /dev/shm is listable, our-prefixed segments of dead pids; the socket.
-    Call only while holding the lock. Returns the names removed."""
-    removed = []
-    record = paths.arena_record_path(folder)
-    names = []
-    names.append(_read_record(record))
-    if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
-        prefix = paths.shm_prefix()
-        names += ["/" + n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    for name in dict.fromkeys(filter(None, names)):
-        parts = name.lstrip("/").split(".")
-        try:
-            pid = int(parts[2])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
-            if unlink(name):
-                removed.append(name)
-    for p in (record, Path(sock)):
-        try:
-            p.unlink()
-        except FileNotFoundError:
-            pass
-    return removed
-
-
 def _read_record(rec: Path) -> str:
     try:
         fd = os.open(rec, os.O_RDONLY | SAFE_OPEN)
@@ -135,3 +107,52 @@ def _read_record(rec: Path) -> str:
         return os.read(fd, 256).decode(errors="replace").strip()
     finally:
         os.close(fd)
+
+
+def _segment_owner_ok(name: str) -> bool:
+    """Where the segment can be looked at without opening it (Linux
+    /dev/shm), only ours may be removed; elsewhere the name came from our
+    own 0700 run dir."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        st = os.lstat("/dev/shm" + name)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # no /dev/shm to look at: trust our own record
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def sweep_stale(folder: Path, sock: Path, unlink) -> list:
+    """Remove what dead daemons left: the segment named in arena.name (its
+    daemon is gone: we hold the lock) and, where /dev/shm is listable,
+    our-prefixed segments of ours whose pid is dead; the socket. Another
+    user's segment under our prefix is left alone and never blocks a start.
+    Call only while holding the lock. Returns the names removed."""
+    record = paths.arena_record_path(folder)
+    candidates = {}  # name -> True when named by our own arena.name
+    recorded = _read_record(record)
+    if paths.is_shm_name(recorded):
+        candidates[recorded] = True
+    if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
+        prefix = paths.shm_prefix()
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(prefix) and paths.is_shm_name("/" + n):
+                candidates.setdefault("/" + n, False)
+    removed = []
+    for name, ours in candidates.items():
+        pid = paths.shm_pid(name)
+        if pid == os.getpid() or (not ours and pid_alive(pid)) or not _segment_owner_ok(name):
+            continue
+        try:
+            if unlink(name):
+                removed.append(name)
+        except OSError:
+            pass  # not ours to remove after all: it cannot block our start
+    for p in (record, Path(sock)):
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass
+    return removed

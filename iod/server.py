@@ -178,8 +178,8 @@ class Daemon:
     def open(self):
         """Create the arena, the reader pool and bind the socket (lock held)."""
         cfg = self.cfg
-        self.shm_name = paths.shm_name(os.getpid())
-        self.arena = arena_mod.Arena(self.shm_name, cfg.arena_size, cfg.prefault)
+        self.arena = arena_mod.Arena(None, cfg.arena_size, cfg.prefault)  # a fresh name
+        self.shm_name = self.arena.name
         runtime.write_arena_record(self.folder, self.shm_name)
         if cfg.slot_size:
             self.arena.layout(cfg.slot_size)

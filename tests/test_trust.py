@@ -465,6 +465,87 @@ def test_symlinked_arena_record_is_replaced_not_followed(model):
         shutil.rmtree(target.parent)
 
 
+# ---- 2b. the daemon adopts nothing it did not make: shared-memory names ----------
+
+
+def test_squatted_shm_names_do_not_block_a_start():
+    """Another user creates, under a non-root user's prefix, segments that
+    look stale (a dead pid) and a name that user's next segment would have:
+    the sweep leaves them alone, creation skips a taken name, and the
+    daemon starts."""
+    from iod.arena import create_segment
+
+    auid, _ = account(ATTACKER)
+    vuid, vgid = account(VICTIM)
+    dead = 4194303  # above any pid_max in use: never a live process
+    stale = [f"/iod.{vuid}.{dead}.0", f"/iod.{vuid}.{dead}.abcdefghij"]
+    taken = f"/iod.{vuid}.{dead - 1}.taken"
+
+    def squat():
+        for name in stale + [taken]:
+            os.close(native.shm_create(name, 4096))
+        return "ok"
+
+    base = sticky_dir()
+    folder = base / "v"
+
+    def victim_daemon(w):
+        os.environ["IOD_RUN_DIR"] = str(folder)
+        # the name that is taken is skipped for a fresh one
+        name, fd = create_segment(1 << 20, iter([taken, paths.shm_name()]))
+        os.close(fd)
+        native.shm_unlink(name)
+        os.write(w, f"created {name}\n".encode())
+        return iod.cli.main(["start", "--foreground", "--socket", str(folder / "iod.sock"),
+                             "--arena", "16M", "--ready-fd", str(w)])
+
+    try:
+        assert as_user(ATTACKER, squat) == "ok"
+        v = AsUser(VICTIM, victim_daemon)
+        try:
+            created = v.line()
+            assert created.startswith(f"created /iod.{vuid}.") and created.split()[1] != taken
+            ready = v.line()
+            assert ready == f"READY {v.pid}", ready
+            mine = (folder / "arena.name").read_text().strip()
+            assert paths.is_shm_name(mine.replace(f".{vuid}.", f".{os.getuid()}.", 1))
+            st = os.stat("/dev/shm" + mine)
+            assert st.st_uid == vuid and stat.S_IMODE(st.st_mode) == 0o600
+        finally:
+            assert v.stop() == 0
+        assert not shm_exists(mine)
+        for name in stale + [taken]:  # the other user's segments, untouched
+            assert os.stat("/dev/shm" + name).st_uid == auid
+    finally:
+        for name in stale + [taken]:
+            native.shm_unlink(name)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_shm_names_are_fresh_and_short():
+    names = {paths.shm_name(4194303) for _ in range(100)}
+    assert len(names) == 100
+    assert all(len(n) <= paths.SHM_NAME_MAX and paths.is_shm_name(n) for n in names)
+    assert paths.shm_pid(next(iter(names))) == 4194303
+
+
+def test_a_taken_name_is_skipped_and_running_out_is_one_line():
+    from iod.arena import ArenaError, create_segment
+
+    name = paths.shm_name()
+    os.close(native.shm_create(name, 4096))
+    try:
+        fresh, fd = create_segment(4096, iter([name, paths.shm_name()]))
+        os.close(fd)
+        native.shm_unlink(fresh)
+        assert fresh != name
+        with pytest.raises(ArenaError) as e:
+            create_segment(4096, iter([name, name]))
+        assert str(e.value) == "no free shared-memory name after 2 tries"
+    finally:
+        native.shm_unlink(name)
+
+
 # ---- 3. the prep folder is a boundary --------------------------------------------
 
 
