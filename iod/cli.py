@@ -30,45 +30,54 @@ def parse_size(text: str) -> int:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="iod", description="expert IO daemon")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="iod", description="expert IO daemon", formatter_class=fmt)
     sub = p.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("start", help="start the daemon (detached unless --foreground)")
-    st.add_argument("--socket", type=Path, help="socket path (lock and arena.name live beside it)")
-    st.add_argument("--arena", type=parse_size, default=parse_size("512M"), help="arena size, e.g. 2G")
+    st = sub.add_parser("start", help="start the daemon (detached unless --foreground)",
+                        formatter_class=fmt)
+    st.add_argument("--socket", type=Path, default=paths.socket_path(),
+                    help="socket path (lock, arena.name and log live beside it)")
+    st.add_argument("--arena", type=parse_size, default="512M",
+                    help=f"arena size, e.g. 2G: at least {runtime.MIN_ARENA >> 20} MiB, at most "
+                         f"{runtime.ARENA_SHARE * 100:.0f}%% of physical memory and of /dev/shm's "
+                         f"free space; committed at start")
     st.add_argument("--slot-size", type=parse_size, default=0,
-                    help="slot size (default: the first model's largest record stride)")
+                    help="slot size (0: the first model's largest record stride)")
     st.add_argument("--workers", type=int, default=4, help="reader threads")
     st.add_argument("--hashers", type=int, default=2,
                     help="checksum threads, so readers go straight to the next read "
                          "(0: each reader checks its own reads)")
     st.add_argument("--read-rate", type=float, default=0.0,
-                    help="MB/s cap on reads: emulates a slower device for benchmarks")
-    st.add_argument("--max-sessions", type=int, default=64)
+                    help="MB/s cap on reads: emulates a slower device for benchmarks (0: none)")
+    st.add_argument("--max-sessions", type=int, default=64, help="sessions at once")
     st.add_argument("--max-pins", type=int, default=4096, help="per session")
     st.add_argument("--max-queued", type=int, default=8192, help="records queued per session")
     st.add_argument("--no-prefault", action="store_true",
-                    help="do not commit the arena's memory at start (pages fault in on first use)")
+                    help="do not map the arena's pages in the background at start (they fault "
+                         "in on first use; the memory is committed either way)")
     st.add_argument("--foreground", action="store_true", help="run in this process")
-    st.add_argument("--log", type=Path, help="log file of a detached daemon (default: run dir/iod.log)")
+    st.add_argument("--log", type=Path,
+                    help="log file of a detached daemon (none given: iod.log beside the socket)")
     st.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     st.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
     for name in ("stop", "status"):
-        c = sub.add_parser(name)
-        c.add_argument("--socket", type=Path)
-        c.add_argument("--timeout", type=float, default=30.0 if name == "stop" else 5.0)
+        c = sub.add_parser(name, formatter_class=fmt)
+        c.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
+        c.add_argument("--timeout", type=float, default=30.0 if name == "stop" else 5.0,
+                       help="seconds to wait")
         if name == "status":
             c.add_argument("--json", action="store_true")
     return p
 
 
-def _socket(args) -> Path:
-    return Path(args.socket).absolute() if args.socket else paths.socket_path()
-
-
 def main(argv=None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    sock = _socket(args)
+    sock = Path(args.socket).absolute()
     if args.cmd == "start":
+        problem = runtime.arena_size_problem(args.arena)
+        if problem:  # a usage error: refused before anything is made
+            print(f"iod: {problem}", file=sys.stderr)
+            return 2
         return start_foreground(args, sock) if args.foreground else start_detached(args, sock)
     if args.cmd == "stop":
         return stop(sock, args.timeout)

@@ -1,5 +1,5 @@
-"""The daemon's footprint on the machine: run dir, lock file, stale sweeps
-and the arena record.
+"""The daemon's footprint on the machine: run dir, lock file, stale sweeps,
+the arena record and the arena's size bounds.
 
 Kept free of heavy imports: ``iod start`` checks the lock with it before it
 spawns anything, so a second start is refused quickly. Files are opened
@@ -17,6 +17,10 @@ from pathlib import Path
 from shared import paths
 from shared.launch import SAFE_OPEN, ensure_run_dir, pid_alive, read_pid  # noqa: F401
 from shared.trust import Untrusted
+
+MIN_ARENA = 1 << 20
+ARENA_SHARE = 0.75  # of physical memory, and of the shared-memory file system's free space
+
 
 class AlreadyRunning(RuntimeError):
     def __init__(self, pid):
@@ -156,3 +160,31 @@ def sweep_stale(folder: Path, sock: Path, unlink) -> list:
         except FileNotFoundError:
             pass
     return removed
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def arena_limit() -> tuple:
+    """(bytes, why): the largest arena allowed here, ARENA_SHARE of physical
+    memory and of the shared-memory file system's free space (Linux)."""
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit, why = int(phys * ARENA_SHARE), f"{ARENA_SHARE:.0%} of physical memory ({_fmt(phys)})"
+    if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+        if int(free * ARENA_SHARE) < limit:
+            limit = int(free * ARENA_SHARE)
+            why = f"{ARENA_SHARE:.0%} of the free space in /dev/shm ({_fmt(free)} free)"
+    return limit, why
+
+
+def arena_size_problem(size: int):
+    """None when ``size`` is a sane arena here, else one line saying why not."""
+    if size < MIN_ARENA:
+        return f"--arena {size} bytes is less than the minimum, {_fmt(MIN_ARENA)}"
+    limit, why = arena_limit()
+    if size > limit:
+        return f"--arena {_fmt(size)} is more than {why}: at most {_fmt(limit)} here"
+    return None

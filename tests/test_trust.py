@@ -624,3 +624,83 @@ def test_prep_folder_is_a_boundary(model, tmp_path):
         emit("prep_boundary", {"refused_ms": refused_ms})
     finally:
         d.stop()
+
+
+# ---- 6. bounded resources: the arena ---------------------------------------------
+
+
+def in_small_shm(cmd, tmp_path, size="64m"):
+    """Run ``cmd`` in a private mount namespace whose /dev/shm is a tmpfs
+    of ``size``; returns (completed process, what was left in that /dev/shm)."""
+    left = tmp_path / "left"
+    script = (f'mount -t tmpfs -o size={size} tmpfs /dev/shm || exit 97; "$@"; rc=$?; '
+              f'ls -A /dev/shm > {left}; exit $rc')
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+                        *map(str, cmd)], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 97, p.stderr
+    return p, left.read_text().split()
+
+
+def test_arena_larger_than_shared_memory_fails_start_with_one_line(tmp_path):
+    folder = short_dir()
+    run = folder / "run"
+    try:
+        p, left = in_small_shm([PY, "-m", "iod.cli", "start", "--socket", run / "iod.sock",
+                                "--arena", "100M"], tmp_path)
+        assert p.returncode == 2
+        assert one_line(p.stderr) == ("iod: --arena 100.0 MiB is more than 75% of the free space "
+                                      "in /dev/shm (64.0 MiB free): at most 48.0 MiB here")
+        assert left == [] and not run.exists()  # nothing made, nothing leaked
+        # past the size check (free space shrank meanwhile): committing fails
+        # at creation with one line, where ftruncate alone would have
+        # succeeded and a later write faulted (SIGBUS)
+        code = ("import os, native\n"
+                "from iod.arena import Arena, ArenaError\n"
+                "fd = os.open('/dev/shm/sparse', os.O_RDWR | os.O_CREAT, 0o600)\n"
+                "os.ftruncate(fd, 100 << 20); os.close(fd); os.unlink('/dev/shm/sparse')\n"
+                "print('ftruncate ok')\n"
+                "try:\n    Arena(None, 100 << 20)\nexcept ArenaError as e:\n    print(e)\n")
+        p, left = in_small_shm([PY, "-c", code], tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.splitlines() == ["ftruncate ok", "an arena of 100 MiB cannot be committed "
+                                         "in shared memory: No space left on device"]
+        assert left == []
+        # and one that fits starts and stops cleanly there
+        code = ("import subprocess, sys\n"
+                f"s = {str(run / 'iod.sock')!r}\n"
+                "def c(*a):\n"
+                "    return subprocess.run([sys.executable, '-m', 'iod.cli', *a, '--socket', s])\n"
+                "sys.exit(c('start', '--arena', '40M').returncode or c('stop').returncode)\n")
+        p, left = in_small_shm([PY, "-c", code], tmp_path)
+        assert p.returncode == 0, p.stderr
+        assert left == [] and sorted(os.listdir(run)) == ["iod.log"]
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_arena_size_bounds_are_usage_errors():
+    folder = short_dir()
+    try:
+        for size, want in [("999G", "iod: --arena 999.0 GiB is more than 75% of "),
+                           ("1k", "iod: --arena 1024 bytes is less than the minimum, 1.0 MiB")]:
+            p, _ = cli("start", "--socket", folder / "run" / "iod.sock", "--arena", size)
+            assert p.returncode == 2 and one_line(p.stderr).startswith(want), p.stderr
+        assert os.listdir(folder) == []
+        p, _ = cli("start", "--help")
+        assert p.returncode == 0 and "(default: 512M)" in " ".join(p.stdout.split())
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_close_does_not_wait_for_the_prefault():
+    from iod.arena import Arena
+
+    a = Arena(None, 512 << 20, prefault=True)
+    name = a.name
+    t = time.monotonic()
+    a.close()
+    took = time.monotonic() - t
+    assert a.prefaulted_bytes < a.size, "the prefault ran to the end before close"
+    assert not shm_exists(name)
+    emit("prefault_close", {"arena_mb": 512, "close_s": round(took, 3),
+                            "prefaulted_mb": a.prefaulted_bytes >> 20})
