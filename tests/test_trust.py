@@ -626,6 +626,76 @@ def test_prep_folder_is_a_boundary(model, tmp_path):
         d.stop()
 
 
+# ---- 4. `iod stop` ends a daemon in bounded time; `iod status --json` in every state
+
+
+def test_stop_ends_a_sigstopped_daemon():
+    folder = short_dir()
+    sock = folder / "iod.sock"
+    p, _ = cli("start", "--socket", sock, "--arena", "16M")
+    assert p.returncode == 0, p.stderr
+    pid = int((folder / "iod.lock").read_text())
+    shm = (folder / "arena.name").read_text().strip()
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        p, _ = cli("status", "--json", "--socket", sock, "--timeout", "1")
+        st = json.loads(p.stdout)
+        assert p.returncode == 1 and st["running"] is True and st["pid"] == pid
+        assert "no reply" in st["error"]
+        grace = 3.0
+        p, took = cli("stop", "--socket", sock, "--grace", grace)
+        assert p.returncode == 0, p.stderr
+        assert took < grace + 10  # the bound: grace, then SIGKILL and a few seconds
+        wait_for(lambda: gone(pid), 5, "the daemon's exit")
+        assert sorted(x.name for x in folder.iterdir()) == ["iod.log"]
+        assert not shm_exists(shm)
+        p, _ = cli("status", "--json", "--socket", sock)
+        assert p.returncode == 1 and json.loads(p.stdout)["running"] is False
+        emit("stop_sigstopped", {"grace_s": grace, "stop_s": round(took, 2)})
+    finally:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+        native.shm_unlink(shm)
+        shutil.rmtree(folder)
+
+
+def test_stop_kills_a_daemon_stuck_in_shutdown_and_cleans_up(model):
+    """A read in flight at 2 KB/s holds the graceful shutdown (it lets
+    reads finish): after the grace period SIGKILL, then the leftovers go."""
+    d = LiveDaemon(args=["--arena", "16M", "--read-rate", "0.002"])
+    try:
+        shm = d.shm_name()
+        r = Raw(d.socket)
+        h = r.hello(model)
+        r.send(P.Acquire(r.req(), h.model_id, 2, [0], True))  # a 300 KB record: minutes
+        wait_for(lambda: r.rt(P.Stats(r.req())).stats["inflight_reads"] == 1, 10, "a read")
+        p, took = cli("stop", "--socket", d.socket, "--grace", "1")
+        assert p.returncode == 0, p.stderr
+        assert one_line(p.stderr) == f"iod: pid {d.pid} did not stop within 1 s; sending SIGKILL"
+        assert p.stdout.startswith(f"iod killed (pid {d.pid}); removed {shm}")
+        assert d.proc.wait(5) == -signal.SIGKILL
+        assert sorted(x.name for x in d.folder.iterdir()) == ["iod.log"]
+        assert not shm_exists(shm)
+        r.close()
+        emit("stop_stuck", {"grace_s": 1, "stop_s": round(took, 2)})
+    finally:
+        d.stop()
+
+
+def test_status_json_when_stopped():
+    folder = short_dir()
+    try:
+        p, _ = cli("status", "--json", "--socket", folder / "iod.sock")
+        assert p.returncode == 1
+        assert json.loads(p.stdout) == {"running": False, "pid": None, "error": "not running",
+                                        "socket": str(folder / "iod.sock")}
+        assert one_line(p.stderr) == "iod is not running"
+        p, _ = cli("stop", "--help")
+        assert "--grace GRACE" in p.stdout and "(default: 10.0)" in p.stdout
+    finally:
+        shutil.rmtree(folder)
+
+
 # ---- 6. bounded resources: the arena ---------------------------------------------
 
 
