@@ -30,9 +30,10 @@ from pathlib import Path
 import zmq
 
 import native
-from shared import codec, paths
+from shared import codec, paths, trust
 from shared import protocol as P
-from shared.blob import Manifest, ManifestError, manifest_hash
+from shared import slots as S
+from shared.blob import Manifest, ManifestError
 from shared.launch import ensure_run_dir, lock_holder, pid_alive, spawn
 from shared.source import ExpertSource, SourceError
 
@@ -75,10 +76,9 @@ class IodClient(ExpertSource):
                  profile=False, arena="512M", workers=4, working_set=1):
         self.model_dir = Path(model_dir).resolve()
         try:
-            self.manifest = Manifest.load(self.model_dir)
             # the identity of what this session loaded: a daemon serving
             # anything else (re-prepped folder, restarted daemon) is refused
-            self.manifest_hash = manifest_hash(self.model_dir)
+            self.manifest, self.manifest_hash = Manifest.load_with_hash(self.model_dir)
         except (ManifestError, OSError) as e:
             raise IodError(str(e), E.BAD_MODEL) from None
         self.iod = iod
@@ -110,16 +110,18 @@ class IodClient(ExpertSource):
         self._dead = None
         if self.iod == "auto":
             sock = paths.socket_path()
-            pid = _lock_pid(sock)
-            if pid > 0 and sock.exists():
+            try:  # only a daemon of our uid, in a folder only we control
+                pid = _lock_pid(sock) if trust.check_daemon(sock) else 0
+            except OSError as e:
+                pid = _say_unusable(sock, e)
+            if pid > 0:
                 try:
                     return self._attach(sock, pid)
                 except IodError as e:  # gone, full, or its arena cannot take this model
                     self._detach()
                     if e.code == E.MODEL_CHANGED:
                         raise
-                    print(f"infer: the shared iod at {sock} is not usable ({e}); "
-                          f"starting a private one", file=sys.stderr)
+                    _say_unusable(sock, e)
             sock, pid = self._start_private()
             return self._attach(sock, pid)
         sock = Path(self.iod)
@@ -128,6 +130,11 @@ class IodClient(ExpertSource):
         pid = _lock_pid(sock)
         if pid == 0 and paths.lock_path(sock.parent).exists():
             raise DaemonDead(f"no iod daemon at {sock} (not running)")
+        try:
+            if not trust.check_daemon(sock):
+                raise DaemonDead(f"no iod daemon at {sock} (nothing listens)")
+        except trust.Untrusted as e:
+            raise IodError(f"refusing the iod daemon at {sock}: {e}") from None
         self._attach(sock, pid)
 
     def _attach(self, sock: Path, pid: int):
@@ -179,24 +186,18 @@ class IodClient(ExpertSource):
 
     def _map(self, ok):
         # shm_open + mmap directly: never registered with the resource tracker
-        fd = native.shm_open_readonly(ok.shm_name)
         try:
-            self._mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._mm)
-        fd = native.shm_open_rw(ok.pins_name)
-        try:
-            self._pins_mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED,
-                                      mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._pins_view = memoryview(self._pins_mm)
-        from shared import slots as S
-
+            self._mm = _map_segment(ok.shm_name, write=False)
+            self._view = memoryview(self._mm)
+            self._pins_mm = _map_segment(ok.pins_name, write=True)
+            self._pins_view = memoryview(self._pins_mm)
+        except OSError as e:  # trust.Untrusted included
+            self._detach()
+            raise IodError(f"cannot map the arena {ok.shm_name}: {e}") from None
         magic, version, slot_size, count, *_ = S.ARENA_HEADER.unpack_from(self._view, 0)
         if magic != S.ARENA_MAGIC or version != S.ARENA_VERSION or \
                 (slot_size, count) != (ok.slot_size, ok.slot_count):
+            self._detach()
             raise IodError(f"arena {ok.shm_name} does not match the daemon's HELLO reply",
                            E.INTERNAL)
 
@@ -418,6 +419,30 @@ def _sweep_private_dirs(base: Path, min_age_s: float = 60.0) -> None:
                 shutil.rmtree(d, ignore_errors=True)
         except OSError:
             pass
+
+
+_said = set()
+
+
+def _say_unusable(sock, why) -> int:
+    """Say once on stderr why a private daemon is started instead of the
+    shared one; returns 0 (no shared daemon to use)."""
+    line = f"iod: the shared daemon at {sock} is not usable ({why}); starting a private one"
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr, flush=True)
+    return 0
+
+
+def _map_segment(name, write):
+    """A daemon's segment, checked (ours, 0600) on the descriptor we opened."""
+    fd = native.shm_open_rw(name) if write else native.shm_open_readonly(name)
+    try:
+        trust.check_arena_fd(fd, name)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+        return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
 
 
 def _lock_pid(sock: Path) -> int:

@@ -16,6 +16,7 @@ this object; reader threads write slot data only, into slots this object
 handed out as FILLING.
 """
 
+import errno
 import mmap
 import os
 import threading
@@ -23,10 +24,40 @@ import threading
 import numpy as np
 
 import native
+from shared import paths
 from shared import slots as S
 
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+PREFAULT_CHUNK = 16 << 20  # the stop flag is looked at between chunks (~10 ms each)
+NAME_TRIES = 16
+
+
+class ArenaError(RuntimeError):
+    """The arena cannot be made; the message is one line."""
+
+
+def create_segment(size: int, names=None) -> tuple:
+    """(name, fd) of a new segment: a fresh unguessable name, created with
+    O_EXCL and its pages committed (``native.shm_create``). A name already
+    taken (squatted, or a collision) is skipped for the next, so nobody can
+    block a start by creating names ahead."""
+    names = names or (paths.shm_name() for _ in range(NAME_TRIES))
+    tried = 0
+    for name in names:
+        tried += 1
+        try:
+            return name, native.shm_create(name, size)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise ArenaError(f"an arena of {size >> 20} MiB cannot be committed in shared "
+                                 f"memory: {os.strerror(e.errno)}") from None
+            raise ArenaError(f"cannot create shared memory {name}: {e.strerror}") from None
+    raise ArenaError(f"no free shared-memory name after {tried} tries")
+
+
 
 
 class Slot:
@@ -46,17 +77,26 @@ class Slot:
 
 
 class Arena:
-    """A POSIX shm segment of ``size`` bytes (``name`` None: anonymous memory,
-    for the in-process source); slots are laid out once the slot size is
-    known (``layout``), with a pin table of ``rows`` session rows."""
+    """A POSIX shm segment of ``size`` bytes, under ``name`` or a fresh
+    unguessable one (``create_segment``), its pages committed at creation;
+    ``anonymous``: private anonymous memory instead (the in-process source).
+    Slots are laid out once the slot size is known (``layout``), with a pin
+    table of session rows in a second segment, named now (``pins_name``) and
+    created then."""
 
-    def __init__(self, name, size: int, prefault: bool = False):
-        self.name = name
+    def __init__(self, name, size: int, prefault: bool = False, anonymous: bool = False):
         self.size = size
-        self.mm = self._map(name, size)
+        self.anonymous = anonymous
+        self.name, self.mm = self._segment(size, [name] if name else None)
+        self.pins_name = None if anonymous else paths.shm_name()
         self.buf = memoryview(self.mm)
         self._prefaulter = None
-        if prefault:  # in the background: start-up stays quick
+        self._stop = threading.Event()
+        self.prefaulted_bytes = 0
+        # committed pages still fault into our mapping on first touch
+        # (~0.3 s per 512 MiB measured); populating the page tables in the
+        # background takes that off the first reads
+        if prefault:
             self._prefaulter = threading.Thread(target=self._prefault, name="iod-prefault", daemon=True)
             self._prefaulter.start()
         self.slot_size = 0
@@ -67,21 +107,23 @@ class Arena:
         self.hand = 0  # of the CLOCK sweep
         self.index = {}  # key -> slot index, READY or FILLING
         self.dir_free = [(0, S.DIR_ENTRIES)]  # (first word, count)
-        self.pins_name = None
         self._next_generation = 1
         self._beats = self._reads_done = 0
         self.evictions = self.unused_prefetches = 0
 
     def _prefault(self) -> None:
-        """Commit every page now, so the first read into a slot does not pay
-        for faulting in fresh shared-memory pages."""
-        chunk = 64 << 20
+        """Map every page now, so the first read into a slot does not pay
+        for the page faults. Stops between chunks when the arena closes."""
+        chunk = PREFAULT_CHUNK
         for off in range(0, self.size, chunk):
+            if self._stop.is_set():
+                return
             n = min(chunk, self.size - off)
             try:  # populates without writing, so it is safe while readers fill slots
                 self.mm.madvise(MADV_POPULATE_WRITE, off, n)
             except (OSError, ValueError, AttributeError):
                 return  # not Linux >= 5.14: pages fault in on first use
+            self.prefaulted_bytes += n
 
     @property
     def prefaulted(self) -> bool:
@@ -92,12 +134,17 @@ class Arena:
     def laid_out(self) -> bool:
         return self.slot_count > 0
 
-    def _map(self, name, size):
-        if name is None:
-            return mmap.mmap(-1, size, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-        fd = native.shm_create(name, size)
+    def _segment(self, size, names=None):
+        """(name, mapping) of new memory: a committed shm segment under the
+        first free of ``names`` (default: fresh ones), or anonymous memory."""
+        if self.anonymous:
+            return None, mmap.mmap(-1, size, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        name, fd = create_segment(size, names)
         try:
-            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            return name, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            native.shm_unlink(name)
+            raise
         finally:
             os.close(fd)
 
@@ -111,8 +158,10 @@ class Arena:
         self.slot_size, self.slot_count = slot_size, lay.slot_count
         self.data_offset = lay.data_offset
         self.pin_layout = S.PinLayout(lay.slot_count, rows)
-        self.pins_name = None if self.name is None else self.name + "p"
-        self.pins_mm = self._map(self.pins_name, self.pin_layout.nbytes)
+        # under the name reserved at creation (already in arena.name), or a
+        # fresh one should that be taken
+        names = [self.pins_name] + [paths.shm_name() for _ in range(NAME_TRIES - 1)]
+        self.pins_name, self.pins_mm = self._segment(self.pin_layout.nbytes, names)
         self.pins_buf = memoryview(self.pins_mm)
         row = self.pin_layout.row_bytes
         table = np.frombuffer(self.pins_mm, np.uint8, rows * row).reshape(rows, row)
@@ -275,13 +324,18 @@ class Arena:
         native.unpin(self.pins_buf, self.pin_layout.pins(row), self.slot_count,
                      np.array([s.index], np.int32))
 
-    def held(self, row: int) -> int:
-        """Distinct slots a session's row pins."""
-        return int(np.count_nonzero(self._pins[row]))
+    def held(self, row: int, pins=None) -> int:
+        """Distinct slots a session's row pins (in ``pins``, a ``snapshot``)."""
+        return int(np.count_nonzero((self._pins if pins is None else pins)[row]))
 
-    def counts(self) -> dict:
+    def snapshot(self):
+        """A copy of the pin table: sessions pin and unpin without telling us,
+        so figures that must agree are taken from one copy."""
+        return self._pins.copy()
+
+    def counts(self, pins=None) -> dict:
         out = {"free": 0, "filling": 0, "ready_pinned": 0, "evictable": 0}
-        pinned = self._pins.any(axis=0) if self.laid_out else None
+        pinned = (self._pins if pins is None else pins).any(axis=0) if self.laid_out else None
         for s in self.slots:
             if s.state == S.FREE:
                 out["free"] += 1
@@ -306,7 +360,8 @@ class Arena:
         assert len(self.index) == sum(1 for s in self.slots if s.state != S.FREE)
 
     def close(self, unlink: bool = True) -> None:
-        if self._prefaulter is not None:
+        if self._prefaulter is not None:  # waits for one chunk at most
+            self._stop.set()
             self._prefaulter.join()
         self._pins = self._refs = None
         for view, mm in ((self.buf, self.mm), (getattr(self, "pins_buf", None),
@@ -319,6 +374,6 @@ class Arena:
             except BufferError:
                 pass  # a view is still alive; the mapping goes with the process
         if unlink:
-            for name in (self.name, self.pins_name):
+            for name in (self.name, self.pins_name if self.laid_out else None):
                 if name is not None:
                     native.shm_unlink(name)

@@ -8,12 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from shared import paths
+from shared import paths, trust
 from shared.launch import lock_holder, spawn
 
 from . import runtime
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+KILL_WAIT_S = 5.0  # after SIGKILL: the kernel ends even a stopped process at once
 
 
 def parse_size(text: str) -> int:
@@ -30,49 +31,61 @@ def parse_size(text: str) -> int:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="iod", description="expert IO daemon")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="iod", description="expert IO daemon", formatter_class=fmt)
     sub = p.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("start", help="start the daemon (detached unless --foreground)")
-    st.add_argument("--socket", type=Path, help="socket path (lock and arena.name live beside it)")
-    st.add_argument("--arena", type=parse_size, default=parse_size("512M"), help="arena size, e.g. 2G")
+    st = sub.add_parser("start", help="start the daemon (detached unless --foreground)",
+                        formatter_class=fmt)
+    st.add_argument("--socket", type=Path, default=paths.socket_path(),
+                    help="socket path (lock, arena.name and log live beside it)")
+    st.add_argument("--arena", type=parse_size, default="512M",
+                    help=f"arena size, e.g. 2G: at least {runtime.MIN_ARENA >> 20} MiB, at most "
+                         f"{runtime.ARENA_SHARE * 100:.0f}%% of physical memory and of /dev/shm's "
+                         f"free space; committed at start")
     st.add_argument("--slot-size", type=parse_size, default=0,
-                    help="slot size (default: the first model's largest record stride)")
+                    help="slot size (0: the first model's largest record stride)")
     st.add_argument("--workers", type=int, default=4, help="reader threads")
     st.add_argument("--hashers", type=int, default=2,
                     help="checksum threads, so readers go straight to the next read "
                          "(0: each reader checks its own reads)")
     st.add_argument("--read-rate", type=float, default=0.0,
-                    help="MB/s cap on reads: emulates a slower device for benchmarks")
-    st.add_argument("--max-sessions", type=int, default=64)
+                    help="MB/s cap on reads: emulates a slower device for benchmarks (0: none)")
+    st.add_argument("--max-sessions", type=int, default=64, help="sessions at once")
     st.add_argument("--max-connections", type=int, default=1024,
                     help="peers connected at once; more are refused at the handshake")
     st.add_argument("--max-queued", type=int, default=8192, help="records queued per session")
     st.add_argument("--no-prefault", action="store_true",
-                    help="do not commit the arena's memory at start (pages fault in on first use)")
+                    help="do not map the arena's pages in the background at start (they fault "
+                         "in on first use; the memory is committed either way)")
     st.add_argument("--foreground", action="store_true", help="run in this process")
-    st.add_argument("--log", type=Path, help="log file of a detached daemon (default: run dir/iod.log)")
+    st.add_argument("--log", type=Path,
+                    help="log file of a detached daemon (none given: iod.log beside the socket)")
     st.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     st.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
-    for name in ("stop", "status"):
-        c = sub.add_parser(name)
-        c.add_argument("--socket", type=Path)
-        c.add_argument("--timeout", type=float, default=30.0 if name == "stop" else 5.0)
-        if name == "status":
-            c.add_argument("--json", action="store_true")
+    stop = sub.add_parser("stop", help="stop the daemon: SIGTERM, then SIGKILL after --grace",
+                          formatter_class=fmt)
+    stop.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
+    stop.add_argument("--grace", "--timeout", dest="grace", type=float, default=10.0,
+                      help="seconds between SIGTERM and SIGKILL")
+    status = sub.add_parser("status", help="the daemon's state (STATS)", formatter_class=fmt)
+    status.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+    status.add_argument("--json", action="store_true",
+                        help='print JSON, also when not running ({"running": false, ...})')
     return p
-
-
-def _socket(args) -> Path:
-    return Path(args.socket).absolute() if args.socket else paths.socket_path()
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    sock = _socket(args)
+    sock = Path(args.socket).absolute()
     if args.cmd == "start":
+        problem = runtime.arena_size_problem(args.arena)
+        if problem:  # a usage error: refused before anything is made
+            print(f"iod: {problem}", file=sys.stderr)
+            return 2
         return start_foreground(args, sock) if args.foreground else start_detached(args, sock)
     if args.cmd == "stop":
-        return stop(sock, args.timeout)
+        return stop(sock, args.grace)
     return status(sock, args.timeout, args.json)
 
 
@@ -116,6 +129,7 @@ def start_foreground(args, sock: Path) -> int:
         _say(ready_fd, f"ERROR cannot start: {e}")
         if daemon is not None and hasattr(daemon, "arena"):
             daemon.arena.close(unlink=True)
+        paths.arena_record_path(folder).unlink(missing_ok=True)
         _release_lock(folder, lock_fd)
         return 1
     print(f"iod: ready (pid {os.getpid()}, socket {sock}, arena {daemon.shm_name} "
@@ -141,9 +155,12 @@ def _release_lock(folder, fd):
 
 def start_detached(args, sock: Path) -> int:
     folder = sock.parent
+    lock = paths.lock_path(folder)
     try:
         runtime.ensure_run_dir(folder)
-        pid = lock_holder(paths.lock_path(folder))
+        if os.path.lexists(lock):
+            trust.check_lock(lock)
+        pid = lock_holder(lock)
     except OSError as e:
         print(f"iod: {e}", file=sys.stderr)
         return 1
@@ -168,24 +185,76 @@ def start_detached(args, sock: Path) -> int:
     return 0
 
 
-def stop(sock: Path, timeout: float) -> int:
-    lock = paths.lock_path(sock.parent)
-    pid = lock_holder(lock)
+def stop(sock: Path, grace: float) -> int:
+    """SIGTERM (and SIGCONT, so a stopped daemon handles it), SIGKILL after
+    ``grace`` seconds, then remove what a killed daemon leaves: bounded
+    whatever the daemon is doing."""
+    folder = sock.parent
+    lock = paths.lock_path(folder)
+    try:
+        # the pid comes from the lock: only a lock in our own folder names a pid we may signal
+        trust.check_run_dir(folder)
+        if os.path.lexists(lock):
+            trust.check_lock(lock)
+        pid = lock_holder(lock)
+    except FileNotFoundError:
+        pid = 0
+    except OSError as e:
+        print(f"iod: {e}", file=sys.stderr)
+        return 1
     if not pid:
         print("iod is not running", file=sys.stderr)
         return 1
     if pid < 0:
         print("iod: the lock is held but names no pid", file=sys.stderr)
         return 1
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while lock_holder(lock) == pid:  # released as the daemon exits
-        if time.monotonic() > deadline:
-            print(f"iod: pid {pid} did not stop within {timeout:g} s", file=sys.stderr)
+    how = "stopped"
+    _signal(pid, signal.SIGTERM)
+    _signal(pid, signal.SIGCONT)
+    if not _wait_unlocked(lock, pid, grace):
+        print(f"iod: pid {pid} did not stop within {grace:g} s; sending SIGKILL", file=sys.stderr)
+        _signal(pid, signal.SIGKILL)
+        how = "killed"
+        if not _wait_unlocked(lock, pid, KILL_WAIT_S):
+            print(f"iod: pid {pid} still holds the lock {KILL_WAIT_S:g} s after SIGKILL",
+                  file=sys.stderr)
             return 1
-        time.sleep(0.02)
-    print(f"iod stopped (pid {pid})")
+    swept = _sweep_after(folder, sock)
+    print(f"iod {how} (pid {pid})" + (f"; removed {', '.join(swept)}" if swept else ""))
     return 0
+
+
+def _signal(pid: int, sig) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_unlocked(lock: Path, pid: int, timeout: float) -> bool:
+    """Until the daemon's lock is free (released as it exits, even by SIGKILL)."""
+    deadline = time.monotonic() + timeout
+    while lock_holder(lock) == pid:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _sweep_after(folder: Path, sock: Path) -> list:
+    """Holding the lock ourselves: remove the segment in arena.name, the
+    socket and arena.name, then the lock. A graceful stop left nothing;
+    a SIGKILL left them all. Nothing if a new daemon took the lock first."""
+    import native
+
+    try:
+        fd = runtime.take_lock(paths.lock_path(folder))
+    except (runtime.AlreadyRunning, OSError):
+        return []
+    try:
+        return runtime.sweep_stale(folder, sock, native.shm_unlink)
+    finally:
+        _release_lock(folder, fd)
 
 
 def request(sock: Path, msg, timeout: float):
@@ -209,22 +278,35 @@ def request(sock: Path, msg, timeout: float):
 
 
 def status(sock: Path, timeout: float, as_json: bool) -> int:
+    """STATS of the daemon; with ``as_json`` a JSON object in every state
+    (``running`` false, or true with ``error`` when it does not answer)."""
     from shared import protocol as P
 
-    if not lock_holder(paths.lock_path(sock.parent)):
-        print("iod is not running", file=sys.stderr)
+    def fail(msg, pid=0):
+        if as_json:
+            print(json.dumps({"running": pid > 0, "pid": pid if pid > 0 else None,
+                              "socket": str(sock), "error": msg}, sort_keys=True))
+        print("iod is not running" if msg == "not running" else f"iod: {msg}", file=sys.stderr)
         return 1
+
+    pid = 0
+    try:
+        pid = lock_holder(paths.lock_path(sock.parent))
+        if not pid:
+            return fail("not running")
+        if not trust.check_daemon(sock):
+            return fail(f"not answering: nothing listens on {sock}", pid)
+    except OSError as e:
+        return fail(str(e), pid)
     try:
         reply = request(sock, P.Stats(1), timeout)
     except Exception as e:
-        print(f"iod: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), pid)
     if not isinstance(reply, P.StatsOk):
-        print(f"iod: unexpected reply {reply}", file=sys.stderr)
-        return 1
+        return fail(f"unexpected reply {reply}", pid)
     st = reply.stats
     if as_json:
-        print(json.dumps(st, indent=1, sort_keys=True))
+        print(json.dumps({"running": True, **st}, indent=1, sort_keys=True))
         return 0
     print(format_status(st))
     return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 from shared import codec
 from shared import protocol as P
 from shared import slots as S
-from shared.blob import Manifest, ManifestError, manifest_hash
+from shared.blob import Manifest, ManifestError
 from shared.launch import pid_alive
 
 from . import reader as reader_mod
@@ -76,15 +76,10 @@ class Model:
 
     def open(self):
         for layer, l in self.layouts.items():
-            path = self.dir / l.file
-            try:
-                size = path.stat().st_size
-            except OSError as e:
-                raise Failure(E.BAD_MODEL, f"{path}: {e.strerror}", layer)
-            need = (l.num_experts - 1) * l.stride + l.record_bytes
-            if size < need or len(l.checksums) != l.num_experts:
-                raise Failure(E.BAD_MODEL, f"{path}: {size} bytes, layout needs {need}", layer)
-            self.fds[layer] = reader_mod.open_blob(path)
+            try:  # inside the folder, a regular file, long enough (shared.blob.open_blob)
+                self.fds[layer] = reader_mod.open_blob(self.dir, l)
+            except (ManifestError, OSError) as e:
+                raise Failure(E.BAD_MODEL, str(e), layer)
 
     def close(self):
         for fd, _ in self.fds.values():
@@ -283,8 +278,7 @@ class Core:
         if not folder.is_dir():
             raise Failure(E.BAD_MODEL, f"{folder} is not a folder")
         try:
-            manifest = Manifest.load(folder)
-            mhash = manifest_hash(folder)
+            manifest, mhash = Manifest.load_with_hash(folder)  # one bounded, non-blocking read
         except (ManifestError, OSError) as e:
             raise Failure(E.BAD_MODEL, f"{folder}: {e}")
         known = self.model_by_dir.get(folder)
@@ -546,6 +540,7 @@ class Core:
         c["coalesced"] = self.sched.coalesced
         c["promoted"] = self.sched.promoted
         c["prefetches_dropped"] = self.sched.dropped
+        pins = a.snapshot() if a.laid_out else None
         return {
             "pid": os.getpid(),
             "version": P.PROTOCOL_VERSION,
@@ -554,11 +549,11 @@ class Core:
             "share": self.share() if a.laid_out else 0,
             "draining": self.draining,
             "arena": {"name": a.name or "", "bytes": a.size, "slot_size": a.slot_size,
-                      "slot_count": a.slot_count, "slots": a.counts() if a.laid_out else {},
+                      "slot_count": a.slot_count, "slots": a.counts(pins) if a.laid_out else {},
                       "prefaulted": a.prefaulted},
             "sessions": [
                 {"id": s.id, "pid": s.pid, "model": s.model.id,
-                 "pins": a.held(s.row), "awaiting": s.claims, "requests": s.requests,
+                 "pins": a.held(s.row, pins), "awaiting": s.claims, "requests": s.requests,
                  "demands": s.demands, "hits": s.hits, "misses": s.misses, "bytes": s.bytes}
                 for s in self.sessions.values()],
             "models": [

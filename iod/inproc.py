@@ -11,7 +11,7 @@ import queue
 from pathlib import Path
 
 from shared import protocol as P
-from shared.blob import Manifest, manifest_hash
+from shared.blob import Manifest
 from shared.source import ExpertSource, SourceError
 
 from .arena import Arena
@@ -31,17 +31,17 @@ class InprocSource(ExpertSource):
         import os
 
         self.model_dir = Path(model_dir).resolve()
-        self.manifest = Manifest.load(self.model_dir)
+        self.manifest, mhash = Manifest.load_with_hash(self.model_dir)
         self.profile = profile
         self.daemon_pid = 0
         self._reset_counters()
         self._next_req = 1
-        self._memory = Arena(None, int(arena))
+        self._memory = Arena(None, int(arena), anonymous=True)
         self.pool = ReaderPool(workers, None, read_rate, Faults(), hashers)
         self.core = Core(Config(arena_size=int(arena), workers=workers, max_sessions=1),
                          self._memory, self.pool)
         ok = self._call(P.Hello(self._req(), P.PROTOCOL_VERSION, os.getpid(),
-                                str(self.model_dir), manifest_hash(self.model_dir),
+                                str(self.model_dir), mhash,
                                 working_set, profile))
         self.session_id = ok.session_id
         self._attach_arena(self._memory.buf, self._memory.pins_buf, ok, self.manifest)

@@ -15,26 +15,28 @@ import threading
 import time
 
 import native
+from shared import blob
 from shared.blob import record_checksum
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def open_blob(path) -> tuple:
-    """Open a blob file for page-cache-bypassing reads: O_DIRECT on Linux,
-    F_NOCACHE on macOS, else plain reads followed by fadvise(DONTNEED).
-    Returns (fd, mode) with mode one of "direct", "nocache", "fadvise"."""
+def open_blob(folder, layout) -> tuple:
+    """Open a layer's blob file for page-cache-bypassing reads: O_DIRECT on
+    Linux, F_NOCACHE on macOS, else plain reads followed by fadvise(DONTNEED).
+    The file is checked by ``shared.blob.open_blob`` (inside the folder, a
+    regular file, long enough). Returns (fd, mode) with mode one of
+    "direct", "nocache", "fadvise"; raises ManifestError."""
     if O_DIRECT:
         try:
-            fd = os.open(path, os.O_RDONLY | O_DIRECT)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
+            fd = blob.open_blob(folder, layout, O_DIRECT)
+        except blob.ManifestError:
+            pass  # O_DIRECT refused (EINVAL): try without; a real problem shows again
         else:
             if _probe_direct(fd):
                 return fd, "direct"
             os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
+    fd = blob.open_blob(folder, layout)
     if sys.platform == "darwin":
         import fcntl
 

@@ -1,17 +1,25 @@
-"""The daemon's footprint on the machine: run dir, lock file, stale sweeps.
+"""The daemon's footprint on the machine: run dir, lock file, stale sweeps,
+the arena record and the arena's size bounds.
 
 Kept free of heavy imports: ``iod start`` checks the lock with it before it
-spawns anything, so a second start is refused quickly.
+spawns anything, so a second start is refused quickly. Files are opened
+without following symlinks or waiting on FIFOs (``SAFE_OPEN``), and checked
+by fstat of what was opened.
 """
 
 import errno
 import fcntl
 import os
+import stat
 import sys
 from pathlib import Path
 
 from shared import paths
-from shared.launch import ensure_run_dir, pid_alive, read_pid  # noqa: F401
+from shared.launch import SAFE_OPEN, ensure_run_dir, pid_alive, read_pid  # noqa: F401
+from shared.trust import Untrusted
+
+MIN_ARENA = 1 << 20
+ARENA_SHARE = 0.75  # of physical memory, and of the shared-memory file system's free space
 
 
 class AlreadyRunning(RuntimeError):
@@ -20,12 +28,41 @@ class AlreadyRunning(RuntimeError):
         self.pid = pid
 
 
+def _open_private(path: Path, flags: int) -> int:
+    """Open a file of the run dir: created 0600 if missing; an existing one
+    must be a regular file of ours with mode 0600 (never chmodded)."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600)
+        made = True
+    except FileExistsError:
+        try:
+            fd = os.open(path, flags | SAFE_OPEN)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise Untrusted(f"{path} is a symlink; iod follows none") from None
+            raise
+        made = False
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = f"{path} is not a regular file"
+    elif st.st_uid != os.getuid():
+        problem = f"{path} is owned by uid {st.st_uid}, not by you"
+    elif not made and st.st_mode & 0o077:
+        problem = f"{path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0600"
+    if problem:
+        os.close(fd)
+        raise Untrusted(problem)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def take_lock(lock_file: Path) -> int:
     """flock the lock file and write our pid in it; returns the fd (keep it
     open for the daemon's life). Raises AlreadyRunning naming the holder.
     A SIGKILLed holder's lock is released by the kernel, so it never blocks."""
     while True:
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_private(lock_file, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -35,7 +72,7 @@ def take_lock(lock_file: Path) -> int:
             raise
         # a stopping daemon may have unlinked the file we locked: lock the new one
         try:
-            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+            same = os.lstat(lock_file).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if same:
@@ -43,36 +80,113 @@ def take_lock(lock_file: Path) -> int:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    os.fchmod(fd, 0o600)
     return fd
 
 
-def sweep_stale(folder: Path, sock: Path, unlink) -> list:
-    """Remove what dead daemons left: the segment named in arena.name and,
-    where /dev/shm is listable, our-prefixed segments of dead pids; the socket.
-    Call only while holding the lock. Returns the names removed."""
-    removed = []
-    record = paths.arena_record_path(folder)
-    names = []
+def write_arena_record(folder: Path, *names: str) -> None:
+    """Name our segments (the arena, its pin table) in ``arena.name``
+    (atomically), so a restart or ``iod stop`` can remove them after a
+    SIGKILL on any OS."""
+    rec = paths.arena_record_path(folder)
+    tmp = rec.with_suffix(".tmp")
     try:
-        names.append(record.read_text().strip())
-    except OSError:
+        tmp.unlink()  # a leftover (or a planted symlink): never written through
+    except FileNotFoundError:
         pass
+    fd = _open_private(tmp, os.O_WRONLY)
+    try:
+        os.write(fd, "".join(n + "\n" for n in names).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, rec)
+
+
+def _read_record(rec: Path) -> list:
+    """The segment names ``arena.name`` holds (none if it is not a plain file)."""
+    try:
+        fd = os.open(rec, os.O_RDONLY | SAFE_OPEN)
+    except OSError:
+        return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        return os.read(fd, 256).decode(errors="replace").split()
+    finally:
+        os.close(fd)
+
+
+def _segment_owner_ok(name: str) -> bool:
+    """Where the segment can be looked at without opening it (Linux
+    /dev/shm), only ours may be removed; elsewhere the name came from our
+    own 0700 run dir."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        st = os.lstat("/dev/shm" + name)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # no /dev/shm to look at: trust our own record
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
+
+
+def sweep_stale(folder: Path, sock: Path, unlink) -> list:
+    """Remove what dead daemons left: the segment named in arena.name (its
+    daemon is gone: we hold the lock) and, where /dev/shm is listable,
+    our-prefixed segments of ours whose pid is dead; the socket. Another
+    user's segment under our prefix is left alone and never blocks a start.
+    Call only while holding the lock. Returns the names removed."""
+    record = paths.arena_record_path(folder)
+    candidates = {}  # name -> True when named by our own arena.name
+    for recorded in _read_record(record):
+        if paths.is_shm_name(recorded):
+            candidates[recorded] = True
     if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
         prefix = paths.shm_prefix()
-        names += ["/" + n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-    for name in dict.fromkeys(filter(None, names)):
-        parts = name.lstrip("/").split(".")
-        try:
-            pid = int(parts[2])
-        except (IndexError, ValueError):
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(prefix) and paths.is_shm_name("/" + n):
+                candidates.setdefault("/" + n, False)
+    removed = []
+    for name, ours in candidates.items():
+        pid = paths.shm_pid(name)
+        if pid == os.getpid() or (not ours and pid_alive(pid)) or not _segment_owner_ok(name):
             continue
-        if pid != os.getpid() and not pid_alive(pid):
+        try:
             if unlink(name):
                 removed.append(name)
+        except OSError:
+            pass  # not ours to remove after all: it cannot block our start
     for p in (record, Path(sock)):
         try:
             p.unlink()
         except FileNotFoundError:
             pass
     return removed
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def arena_limit() -> tuple:
+    """(bytes, why): the largest arena allowed here, ARENA_SHARE of physical
+    memory and of the shared-memory file system's free space (Linux)."""
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit, why = int(phys * ARENA_SHARE), f"{ARENA_SHARE:.0%} of physical memory ({_fmt(phys)})"
+    if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+        if int(free * ARENA_SHARE) < limit:
+            limit = int(free * ARENA_SHARE)
+            why = f"{ARENA_SHARE:.0%} of the free space in /dev/shm ({_fmt(free)} free)"
+    return limit, why
+
+
+def arena_size_problem(size: int):
+    """None when ``size`` is a sane arena here, else one line saying why not."""
+    if size < MIN_ARENA:
+        return f"--arena {size} bytes is less than the minimum, {_fmt(MIN_ARENA)}"
+    limit, why = arena_limit()
+    if size > limit:
+        return f"--arena {_fmt(size)} is more than {why}: at most {_fmt(limit)} here"
+    return None

@@ -25,6 +25,7 @@ from shared.launch import pid_alive
 
 from . import arena as arena_mod
 from . import reader as reader_mod
+from . import runtime
 from .core import Config, Core
 
 MAX_CONNECTIONS = 1024  # peers connected at once; more are refused at the handshake
@@ -54,12 +55,9 @@ class Shell:
         """Create the arena, the reader pool and bind the socket (lock held)."""
         cfg = self.cfg
         _raise_fd_limit()
-        self.shm_name = paths.shm_name(os.getpid())
-        self.arena = arena_mod.Arena(self.shm_name, cfg.arena_size, self.prefault)
-        rec = paths.arena_record_path(self.folder)
-        tmp = rec.with_suffix(".tmp")
-        tmp.write_text(self.shm_name + "\n")
-        os.replace(tmp, rec)
+        self.arena = arena_mod.Arena(None, cfg.arena_size, self.prefault)  # fresh names
+        self.shm_name = self.arena.name
+        runtime.write_arena_record(self.folder, self.arena.name, self.arena.pins_name)
         if cfg.slot_size:
             self.arena.layout(cfg.slot_size, cfg.max_sessions)
         self.wake_r, self.wake_w = os.pipe()

@@ -14,8 +14,9 @@ bit does.
 import hashlib
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -26,6 +27,9 @@ MANIFEST_FORMAT = "iod-experts"
 MANIFEST_VERSION = 1
 RECORD_ALIGN = 4096
 SEGMENT_ALIGN = 64
+# the largest manifest read (a 512-expert, 94-layer model's is ~2 MiB): a
+# daemon reading a folder a session names never reads without bound
+MANIFEST_MAX_BYTES = 64 << 20
 
 # dtype name (as MLX spells it) -> numpy dtype of the raw bytes.
 # bfloat16 has no numpy type; its bytes travel as uint16.
@@ -186,20 +190,117 @@ class Manifest:
 
     @classmethod
     def load(cls, folder) -> "Manifest":
-        path = Path(folder) / MANIFEST_NAME
+        return cls.load_with_hash(folder)[0]
+
+    @classmethod
+    def load_with_hash(cls, folder) -> Tuple["Manifest", str]:
+        """The manifest and its hash, from one read of the file."""
+        data = read_manifest_bytes(folder)
         try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ManifestError(f"{folder} is not a prep folder (no {MANIFEST_NAME})") from None
-        except (OSError, ValueError) as e:
-            raise ManifestError(f"cannot read {path}: {e}") from None
-        return cls.from_dict(d)
+            d = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ManifestError(f"cannot read {Path(folder) / MANIFEST_NAME}: {why}") from None
+        try:
+            return cls.from_dict(d), _hash(data)
+        except ManifestError:
+            raise
+        except (ValueError, AttributeError, RecursionError) as e:
+            raise ManifestError(f"malformed manifest: {e}") from None
+
+
+def _hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def manifest_hash(folder) -> str:
     """Identity of a prep folder's expert format and contents."""
-    data = (Path(folder) / MANIFEST_NAME).read_bytes()
-    return hashlib.sha256(data).hexdigest()[:16]
+    return _hash(read_manifest_bytes(folder))
+
+
+# ---- the prep folder is a boundary: files a session names are read with care ----
+
+
+def open_inside(folder, name, flags: int = 0) -> int:
+    """Open ``name`` (a relative path from a manifest) under ``folder`` for
+    reading. It must stay inside the folder once resolved and be a regular
+    file: the open never blocks (O_NONBLOCK: a FIFO or device is refused,
+    not waited on) and never follows a symlink out. Raises ManifestError."""
+    if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) \
+            or ".." in PurePath(name).parts:
+        raise ManifestError(f"{folder}: file name {name!r} is not a plain relative path")
+    root = Path(folder).resolve()
+    path = (root / name).resolve()
+    if not path.is_relative_to(root):
+        raise ManifestError(f"{root / name} resolves to {path}, outside the prep folder")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | flags)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ManifestError(f"{path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ManifestError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_manifest_bytes(folder) -> bytes:
+    """The manifest file's bytes, at most MANIFEST_MAX_BYTES (see open_inside)."""
+    try:
+        fd = open_inside(folder, MANIFEST_NAME)
+    except FileNotFoundError:
+        raise ManifestError(f"{folder} is not a prep folder (no {MANIFEST_NAME})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MANIFEST_MAX_BYTES:
+            raise ManifestError(f"{Path(folder) / MANIFEST_NAME}: {size} bytes, more than "
+                                f"the {MANIFEST_MAX_BYTES >> 20} MiB a manifest may have")
+        chunks, n = [], 0
+        while n <= MANIFEST_MAX_BYTES:  # the file may grow while we read
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+    finally:
+        os.close(fd)
+    if n > MANIFEST_MAX_BYTES:
+        raise ManifestError(f"{Path(folder) / MANIFEST_NAME}: more than "
+                            f"{MANIFEST_MAX_BYTES >> 20} MiB")
+    return b"".join(chunks)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def open_blob(folder, layout: LayerLayout, flags: int = 0) -> int:
+    """Open a layer's blob file for the daemon's reads (``flags``: e.g.
+    O_DIRECT): inside the folder, a regular file (``open_inside``), long
+    enough for every record of the layout, one checksum per expert. Raises
+    ManifestError with one line naming the file."""
+    l = layout
+    if not all(_is_int(x) for x in (l.layer, l.num_experts, l.record_bytes, l.stride)) or \
+            l.num_experts < 1 or l.record_bytes < 1 or l.stride < l.record_bytes or \
+            l.stride % RECORD_ALIGN or not isinstance(l.checksums, list):
+        raise ManifestError(f"layer {l.layer!r}: impossible layout (experts {l.num_experts!r}, "
+                            f"record {l.record_bytes!r} bytes, stride {l.stride!r})")
+    if len(l.checksums) != l.num_experts:
+        raise ManifestError(f"layer {l.layer}: {len(l.checksums)} checksums for "
+                            f"{l.num_experts} experts")
+    try:
+        fd = open_inside(folder, l.file, flags)
+    except FileNotFoundError:
+        raise ManifestError(f"{Path(folder) / str(l.file)}: no such file") from None
+    size = os.fstat(fd).st_size
+    need = (l.num_experts - 1) * l.stride + l.record_bytes
+    if size < need:
+        os.close(fd)
+        raise ManifestError(f"{Path(folder) / l.file}: {size} bytes, layout needs {need}")
+    return fd
 
 
 def read_record(folder, layout: LayerLayout, expert: int, fd: Optional[int] = None) -> bytes:

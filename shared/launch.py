@@ -15,6 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from shared import trust
+
+# never follow a symlink, never wait on a FIFO: every file iod opens by name
+SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
 
 def pid_alive(pid: int) -> bool:
     if pid <= 0:
@@ -30,15 +35,21 @@ def pid_alive(pid: int) -> bool:
 
 def read_pid(lock_file: Path) -> int:
     try:
-        return int(Path(lock_file).read_text().strip() or 0)
+        fd = os.open(lock_file, os.O_RDONLY | SAFE_OPEN)
+    except OSError:
+        return 0
+    try:
+        return int(os.read(fd, 64).decode().strip() or 0)
     except (OSError, ValueError):
         return 0
+    finally:
+        os.close(fd)
 
 
 def lock_holder(lock_file: Path) -> int:
     """The pid of the daemon holding the lock, or 0 when nobody holds it."""
     try:
-        fd = os.open(lock_file, os.O_RDONLY)
+        fd = os.open(lock_file, os.O_RDONLY | SAFE_OPEN)
     except FileNotFoundError:
         return 0
     try:
@@ -53,15 +64,51 @@ def lock_holder(lock_file: Path) -> int:
 
 
 def ensure_run_dir(folder: Path) -> Path:
-    """Create the run dir with mode 0700; refuse one owned by someone else."""
+    """Create the run dir with mode 0700, or accept an existing one that is
+    a real directory of ours, mode 0700, that nobody else can swap
+    (``trust.check_run_dir``). Raises ``trust.Untrusted`` otherwise.
+    Nothing is followed or chmodded but a folder made here: a wrong mode on
+    a folder we did not make is refused with a clear line, since the folder
+    may be shared with other files (a home directory given as --socket's)."""
     folder = Path(folder)
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = folder.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"run dir {folder} belongs to uid {st.st_uid}, not {os.getuid()}")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(folder, 0o700)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    else:
+        st = os.lstat(folder)
+        if stat.S_IMODE(st.st_mode) != 0o700:  # a umask that took owner bits
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_ino == st.st_ino:
+                    os.fchmod(fd, 0o700)
+            finally:
+                os.close(fd)
+    trust.check_run_dir(folder)
     return folder
+
+
+def open_log(path) -> int:
+    """The log, opened for appending: a regular file of ours, created 0600;
+    a symlink, FIFO or someone else's file is refused (Untrusted)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | SAFE_OPEN, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise trust.Untrusted(f"log {path} is a symlink; iod writes through none") from None
+        raise
+    st = os.fstat(fd)
+    try:
+        if not stat.S_ISREG(st.st_mode):
+            raise trust.Untrusted(f"log {path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise trust.Untrusted(f"log {path} is owned by uid {st.st_uid}, not by you")
+    except trust.Untrusted:
+        os.close(fd)
+        raise
+    os.set_blocking(fd, True)
+    return fd
 
 
 def spawn(sock: Path, extra=(), log=None, parent_fd=None, env=None):
@@ -78,8 +125,12 @@ def spawn(sock: Path, extra=(), log=None, parent_fd=None, env=None):
     if parent_fd is not None:
         cmd += ["--parent-fd", str(parent_fd)]
         fds.append(parent_fd)
-    out = os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") if log \
-        else subprocess.DEVNULL
+    try:
+        out = os.fdopen(open_log(log), "ab") if log else subprocess.DEVNULL
+    except OSError as e:
+        os.close(r)
+        os.close(w)
+        raise RuntimeError(str(e)) from None
     try:
         proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=out if log else None, start_new_session=parent_fd is None,

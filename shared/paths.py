@@ -1,6 +1,9 @@
 """Where iod's files live: run dir, socket, lock, shared-memory names."""
 
 import os
+import re
+import secrets
+import string
 from pathlib import Path
 
 # macOS limits POSIX shm names to 31 characters, leading slash included.
@@ -29,14 +32,35 @@ def arena_record_path(folder=None) -> Path:
     return Path(folder or run_dir()) / "arena.name"
 
 
-def shm_name(pid: int, serial: int = 0) -> str:
-    name = f"/iod.{os.getuid()}.{pid}.{serial}"
-    assert len(name) <= SHM_NAME_MAX, name
-    return name
+_ALPHABET = string.ascii_lowercase + string.digits
+MIN_RANDOM = 6  # 31 bits even with a 10-digit uid and a 7-digit pid
+
+
+def shm_name(pid: int = 0) -> str:
+    """A fresh segment name, ``/iod.<uid>.<pid>.<random>``, filled with
+    random characters up to the 31-character macOS limit: nobody can guess
+    it ahead (the creator still uses O_EXCL and retries on a collision), and
+    the pid lets a sweep tell a dead daemon's segment."""
+    head = f"/iod.{os.getuid()}.{pid or os.getpid()}."
+    n = SHM_NAME_MAX - len(head)
+    assert n >= MIN_RANDOM, head
+    return head + "".join(secrets.choice(_ALPHABET) for _ in range(n))
 
 
 def shm_prefix() -> str:
     return f"iod.{os.getuid()}."
+
+
+def is_shm_name(name: str) -> bool:
+    """One of our segment names (as ``shm_name`` makes them, or the older
+    ``.<serial>`` ones), so a sweep never touches anything else."""
+    return bool(name) and len(name) <= SHM_NAME_MAX and \
+        re.fullmatch(rf"/iod\.{os.getuid()}\.[0-9]+\.[a-z0-9]+", name) is not None
+
+
+def shm_pid(name: str) -> int:
+    """The creator's pid in a name ``is_shm_name`` accepts."""
+    return int(name.split(".")[2])
 
 
 def endpoint(sock: Path) -> str:

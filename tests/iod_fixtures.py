@@ -77,7 +77,7 @@ class LiveDaemon:
             os.close(r)
 
     def shm_name(self) -> str:
-        return (self.folder / "arena.name").read_text().strip()
+        return (self.folder / "arena.name").read_text().split()[0]  # then the pin table's
 
     def stop(self, timeout=10) -> int:
         if self.proc.poll() is None:
@@ -154,10 +154,14 @@ class Raw:
 
     def hello(self, model_dir, pid=None, working_set=1):
         from shared import protocol as P
-        from shared.blob import manifest_hash
+        from shared.blob import Manifest
 
+        try:  # the hash a session would have loaded (a hostile folder may have none)
+            mhash = Manifest.load_with_hash(model_dir)[1]
+        except Exception:
+            mhash = "unreadable"
         return self.rt(P.Hello(self.req(), P.PROTOCOL_VERSION, pid or os.getpid(), str(model_dir),
-                               manifest_hash(model_dir), working_set, False))
+                               mhash, working_set, False))
 
     def close(self):
         self.s.close()

@@ -22,7 +22,9 @@ def test_round_trip_every_kind(daemon, model):
     r = Raw(daemon.socket)
     h = r.hello(model)
     assert isinstance(h, P.HelloOk) and h.daemon_pid == daemon.pid and h.slot_count > 0
-    assert h.pins_name == h.shm_name + "p" and 0 <= h.pin_row < h.pin_rows
+    # both segments are named in arena.name, for a sweep after a crash
+    assert (daemon.folder / "arena.name").read_text().split() == [h.shm_name, h.pins_name]
+    assert 0 <= h.pin_row < h.pin_rows
     m = Manifest.load(model)
     r.send(P.Prefetch(r.req(), h.model_id, 1, [3, 4], 0, 1))  # a hint: no reply
     a = r.rt(P.Demand(r.req(), h.model_id, 0, [0, 5], 1))

@@ -69,7 +69,7 @@ class Harness:
         self.manifest = Manifest.load(folder)
         stride = self.manifest.max_stride
         size = S.Layout(stride, slots).nbytes
-        self.arena = Arena(None, size)
+        self.arena = Arena(None, size, anonymous=True)
         self.reader = FakeReader()
         self.core = Core(Config(arena_size=size, workers=workers, **cfg), self.arena, self.reader,
                          Faults())
@@ -205,7 +205,8 @@ def test_late_prefetches_are_dropped(folder):
 
 def test_a_demand_over_the_share_is_served_in_waves(folder):
     h = Harness(folder, slots=6)
-    a, b, c = h.hello(b"a"), h.hello(b"b"), h.hello(b"c")  # a share of 2 slots each
+    a, b = h.hello(b"a"), h.hello(b"b")
+    h.hello(b"c")  # three sessions: a share of 2 slots each
     assert h.core.share() == 2
     rid = h.demand(b"a", a.model_id, 0, [0, 1, 2, 3, 4])
     while h.reader.jobs:
@@ -317,7 +318,8 @@ def test_eviction_loses_to_a_pin_taken_in_the_race(folder):
 
 def test_ended_session_releases_pins_and_its_waits(folder):
     h = Harness(folder)
-    a, b = h.hello(b"a"), h.hello(b"b")
+    a = h.hello(b"a")
+    h.hello(b"b")
     rid = h.demand(b"a", a.model_id, 0, [1, 2])
     h.finish()
     h.core.end_session(h.core.by_ident[b"a"], "test")

@@ -155,8 +155,8 @@ def test_two_servers_share_the_daemon_and_sigterm_ends_one_cleanly(live, referen
         mine = next(s for s in st["sessions"] if s["pid"] == proc.pid)
         # the first server already brought in the records this prompt needs:
         # the second finds them in the arena with no message, and its few
-        # demands (records the first never needed) are all the reads it adds
-        assert st["counters"]["reads"] - reads <= mine["misses"] <= reads // 4
+        # demands and prefetches (records the first never needed) add few reads
+        assert mine["misses"] <= reads // 4 and st["counters"]["reads"] - reads <= reads // 4
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
         assert rc == 0, proc.stderr.read()[-4000:]
