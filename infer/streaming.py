@@ -75,8 +75,7 @@ class LayerStack:
             a = mx.zeros((max(capacity, 1), *s.shape), _MX_DTYPES[s.dtype])
             self.arrays[(s.projection, s.tensor)] = a
         mx.eval(list(self.arrays.values()))
-        # the tensors' memory, written in place by ``copy_in`` where it is host memory
-        self._memory = [memoryview(a) for a in self.arrays.values()] if writes_in_place() else None
+        self.in_place = writes_in_place()
         self.position = OrderedDict()  # expert -> position, least recent first
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -133,12 +132,18 @@ class LayerStack:
         """Copy ``batch``'s records to ``positions``: one native copy for every
         tensor where the stack's memory is host memory, else one transfer and
         one scatter per tensor."""
-        if self._memory is not None:
+        if self.in_place:
             rows = []
             for ti, s in enumerate(self.layout.segments):
                 for src, pos in zip(batch.offsets.tolist(), positions):
                     rows.append((ti, pos * s.nbytes, src + s.offset, s.nbytes))
-            native.copy_regions(self._memory, batch.buf, np.array(rows, dtype=np.int64))
+            # views of the tensors' memory for this copy only: none outlives its array
+            memory = [memoryview(a) for a in self.arrays.values()]
+            try:
+                native.copy_regions(memory, batch.buf, np.array(rows, dtype=np.int64))
+            finally:
+                for m in memory:
+                    m.release()
             return
         idx = mx.array(np.array(positions, dtype=np.uint32))
         for key, arr in staged(self.layout, batch).items():
