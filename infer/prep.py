@@ -87,21 +87,38 @@ def build_model(config: dict):
 
 
 def expert_modules(model):
-    """[(path, [(projection, unquantized SwitchLinear)])] for every expert module."""
+    """[(layer, path, [(projection, unquantized SwitchLinear)])] for every
+    expert module (SwitchGLU / SwitchMLP), whatever its path is named."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-    out = []
+    found = []
     for path, m in model.named_modules():
         if isinstance(m, (SwitchGLU, SwitchMLP)):
             projs = [(k, v) for k, v in m.items() if isinstance(v, (SwitchLinear, QuantizedSwitchLinear))]
-            out.append((path, projs))
-    out.sort(key=lambda pm: _layer_index(pm[0]) if _layer_index(pm[0]) is not None else 1 << 30)
-    return out
+            found.append((path, projs))
+    found.sort(key=lambda pm: _natural(pm[0]))
+    numbers = layer_numbers([p for p, _ in found])
+    return [(numbers[p], p, projs) for p, projs in found]
+
+
+def _natural(path: str):
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in path.split(".")]
 
 
 def _layer_index(path: str) -> Optional[int]:
-    m = re.search(r"(?:^|\.)layers\.(\d+)\.", path)
-    return int(m.group(1)) if m else None
+    """The block index in a module path: its last numeric component
+    (``model.layers.3.mlp.switch_mlp``, ``transformer.h.3.moe.mlp``)."""
+    nums = [int(t) for t in path.split(".") if t.isdigit()]
+    return nums[-1] if nums else None
+
+
+def layer_numbers(paths) -> Dict[str, int]:
+    """Blob number of each expert module: its block index, or its rank in
+    path order when block indices are missing or shared."""
+    idx = [_layer_index(p) for p in paths]
+    if None in idx or len(set(idx)) != len(idx):
+        return {p: i for i, p in enumerate(paths)}
+    return dict(zip(paths, idx))
 
 
 def infer_quant(path: str, in_dims: int, tensors: Dict[str, st.TensorInfo], qconfig) -> Optional[dict]:
@@ -171,8 +188,7 @@ def plan(src: Path, config: dict):
         raise Refusal(f"{src} has no MoE layers (no SwitchGLU / SwitchMLP modules in its {config['model_type']} model)")
     qconfig = config.get("quantization", config.get("quantization_config")) or {}
     layers = []
-    for path, projs in mods:
-        layer = _layer_index(path)
+    for layer, path, projs in mods:
         projections = [(name, m.input_dims if hasattr(m, "input_dims") else m.weight.shape[-1]) for name, m in projs]
         layers.append(plan_expert_layer(layer, path, projections, tensors, qconfig))
     used = {s.name for l in layers for s in l.sources}
@@ -187,8 +203,8 @@ def plan(src: Path, config: dict):
             mtensors = st.read_header(mtp_file)[0]
         except (OSError, st.SafetensorsError) as e:
             raise Refusal(str(e)) from None
-        proj_dims = [(name, m.weight.shape[-1]) for name, m in mods[0][1]]
-        n_layers = config.get("num_hidden_layers", 0)
+        proj_dims = [(name, m.weight.shape[-1]) for name, m in mods[0][2]]
+        n_layers = max(config.get("num_hidden_layers", 0), max(l.layout.layer for l in layers) + 1)
         prefixes = sorted(
             {m.group(1) for k in mtensors if (m := re.match(r"^(mtp\.layers\.\d+\.[\w.]*?switch_mlp)\.", k))},
             key=_layer_index,
