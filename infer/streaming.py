@@ -40,14 +40,22 @@ _MX_DTYPES = {
 }
 
 
-def record_to_arrays(layout, record):
-    """One expert record as MLX arrays (copied), keyed by (projection, tensor)."""
+def _dtype(segment, cast=None):
+    """The MLX dtype a segment is used in: its own, or ``cast`` for floats."""
+    dtype = _MX_DTYPES[segment.dtype]
+    return cast if cast is not None and mx.issubdtype(dtype, mx.floating) else dtype
+
+
+def record_to_arrays(layout, record, cast=None):
+    """One expert record as MLX arrays (copied), keyed by (projection, tensor);
+    floating tensors (scales, biases, unquantized weights) cast to ``cast``."""
     out = {}
     views = layout.split(record)
     for s in layout.segments:
         arr = mx.array(views[(s.projection, s.tensor)])
         dtype = _MX_DTYPES[s.dtype]
-        out[(s.projection, s.tensor)] = arr if arr.dtype == dtype else arr.view(dtype)
+        arr = arr if arr.dtype == dtype else arr.view(dtype)
+        out[(s.projection, s.tensor)] = arr.astype(_dtype(s, cast)) if cast is not None else arr
     return out
 
 
@@ -60,14 +68,14 @@ class LayerStack:
 
     HALF_LIFE = 16.0  # calls of the layer (tokens, in decode)
 
-    def __init__(self, layout, capacity):
+    def __init__(self, layout, capacity, cast=None):
         self.layout = layout
         self.capacity = capacity
         self.t = 0
         self._score = {}  # expert -> (decayed access count, at t); also evicted ones
         self._decay = 0.5 ** (1.0 / self.HALF_LIFE)
         self.arrays = {
-            (s.projection, s.tensor): mx.zeros((max(capacity, 1), *s.shape), _MX_DTYPES[s.dtype])
+            (s.projection, s.tensor): mx.zeros((max(capacity, 1), *s.shape), _dtype(s, cast))
             for s in layout.segments
         }
         self.position = OrderedDict()  # expert -> position, least recent first
@@ -147,6 +155,7 @@ class ExpertStore:
         self.routers = {}  # layer -> (router module, top k)
         self.next_layers = {}  # layer -> the MoE layers after it, in order
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
+        self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
         self.trace = None  # set to a list to record (layer, experts) per call
         self.profiler = None  # an infer.profile.Profiler: per-layer spans
         # per depth: [true positives, predicted, actual]
@@ -162,7 +171,7 @@ class ExpertStore:
             layout = self.layouts[layer]
             share = self.cache_bytes // len(self.layouts)
             capacity = min(share // layout.record_bytes, layout.num_experts)
-            self.stacks[layer] = LayerStack(layout, capacity)
+            self.stacks[layer] = LayerStack(layout, capacity, self.dtype)
         return self.stacks[layer]
 
     def set_routers(self, routers):
@@ -293,7 +302,7 @@ class ExpertStore:
         self.stats["stall_s"] += time.perf_counter() - tic
         t1 = time.monotonic_ns() if prof else 0
         try:
-            out = {e: record_to_arrays(layout, records[e]) for e in experts}
+            out = {e: record_to_arrays(layout, records[e], self.dtype) for e in experts}
             mx.eval([a for arrays in out.values() for a in arrays.values()])
         finally:
             self._call("release", layer, experts)

@@ -29,8 +29,18 @@ def parse_size(text: str) -> int:
     return int(n * mult)
 
 
+def _version():
+    from importlib import metadata
+
+    try:
+        return metadata.version("iod-moe")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="iod", description="expert IO daemon")
+    p.add_argument("--version", action="version", version=f"iod: iod-moe {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="start the daemon (detached unless --foreground)")
     st.add_argument("--socket", type=Path, help="socket path (lock and arena.name live beside it)")
