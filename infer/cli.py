@@ -1,6 +1,7 @@
 """`infer`: run, prepare and measure MoE models whose experts stream from SSD."""
 
 import importlib
+import os
 import sys
 
 # command -> module with a main(argv) -> int
@@ -40,6 +41,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the command's own handler is in place
         print(f"\ninfer {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`infer ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
