@@ -364,3 +364,13 @@ def test_private_daemon_start_does_not_depend_on_the_current_directory(prep_mode
                        capture_output=True, text=True, cwd=cwd, timeout=120)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) == 2
+
+
+def test_help_shows_defaults():
+    from infer import prep, run, serve
+
+    assert "(default: 100)" in run.build_parser().format_help()
+    assert "(default: 8080)" in serve.build_parser().format_help()
+    assert "(default: 4)" in prep.build_parser().format_help()
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "verify", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "prep folder" in r.stdout
