@@ -8,8 +8,8 @@ Nothing is computed until a tensor is written: each expert projection (all
 experts of one layer, stacked) and each resident tensor is evaluated, written
 and let go in turn. The peak memory is therefore set by the largest tensor,
 not by the model: about 100 MB plus 3x the largest stacked expert projection
-in the source dtype (or 1.5x the largest other tensor). Measured: 359 MB for
-a bf16 folder of the small preset (0.1 GB projections). Estimated from that:
+in the source dtype (or 1.5x the largest other tensor). Measured: 370 MB for
+the small preset's 4.9 GB bf16 folder (0.1 GB projections). Estimated:
 ~1.3 GB for Qwen3-30B-A3B (0.4 GB projections, a 0.6 GB embedding), ~3.3 GB
 for Qwen3-Next-80B-A3B (1.1 GB projections).
 """
