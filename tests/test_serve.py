@@ -43,7 +43,8 @@ def live(prep_model):
     env = dict(os.environ, IOD_RUN_DIR=str(folder))
     daemon = LiveDaemon(folder, env=env)
     prep = prep_model("qwen3_moe")
-    proc, hostport = start_server(prep, daemon.socket, env)
+    # --dtype float32 on a float32 folder: the flag's path, same answers
+    proc, hostport = start_server(prep, daemon.socket, env, "--dtype", "float32")
     client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
                            max_retries=0)
     yield dict(daemon=daemon, proc=proc, hostport=hostport, client=client, prep=prep)
