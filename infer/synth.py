@@ -7,7 +7,6 @@ same seed gives the same bytes, and they are written shard by shard so a big
 model never sits in memory whole.
 """
 
-import argparse
 import json
 import os
 import re

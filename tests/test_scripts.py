@@ -3,7 +3,6 @@ and a quickstart that says its weights are random."""
 
 import os
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
