@@ -31,6 +31,8 @@ from pathlib import Path
 
 from shared.units import format_size, parse_size
 
+from .args import add_dtype, mx_dtype
+
 MODES = ("resident", "sync", "inproc", "iod")
 DEFAULT_PROMPT = "The lighthouse keeper counted the ships that passed in the night"
 FORCED_TEXT = Path(__file__).with_name("data") / "corpus.txt"
@@ -54,6 +56,7 @@ def build_parser():
                    help="also run N concurrent sessions on one daemon, then with a daemon each")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="prediction depth (layers)")
+    add_dtype(p)
     p.add_argument("--arena", default=None,
                    help="arena of the benchmark's daemons (default: a staging area, see budget.py)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -303,12 +306,17 @@ def worker(args) -> dict:
             return {"mode": mode, "skipped": f"needs {format_size(need)}, "
                     f"{format_size(mem_available())} available"}
         model, tokenizer = load_resident(args.model)
+        if args.dtype:
+            from .loader import cast_model
+
+            cast_model(model, mx_dtype(args.dtype))
         store = None
     else:
         from .loader import load_streaming
 
         depth = 0 if mode == "sync" else args.depth
-        model, tokenizer, store = load_streaming(args.model, None, cache_bytes)
+        model, tokenizer, store = load_streaming(args.model, None, cache_bytes,
+                                                 dtype=mx_dtype(args.dtype))
         store.depth = depth
 
     from .run import encode_prompt
@@ -415,6 +423,8 @@ def _worker_argv(args, mode, out, extra=()):
         argv.append("--free-run")
     if args.arena:
         argv += ["--arena", str(args.arena)]
+    if args.dtype:
+        argv += ["--dtype", args.dtype]
     return argv
 
 

@@ -1,6 +1,7 @@
 """`infer`: run, prepare and measure MoE models whose experts stream from SSD."""
 
 import importlib
+import os
 import sys
 
 # command -> module with a main(argv) -> int
@@ -15,7 +16,7 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: infer COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: infer [--version] COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:8s} {help}" for name, (_, help) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -25,12 +26,24 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from .args import version
+
+        print(f"infer: {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"infer: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return module.main(rest)
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+        return module.main(rest)
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handler is in place
+        print(f"\ninfer {name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`infer ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

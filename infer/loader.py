@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import mlx.core as mx
+from mlx.utils import tree_map_with_path
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import _get_classes, load_model
 
@@ -36,13 +38,28 @@ def check_prep_folder(model_dir) -> Manifest:
     return manifest
 
 
-def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None):
-    """(model, tokenizer, store) for a prep folder, experts from ``source``."""
+def cast_model(model, dtype):
+    """Cast floating parameters to ``dtype`` as ``mlx_lm.convert --dtype``
+    does (the model's ``cast_predicate`` keeps e.g. routing biases as they are)."""
+    keep = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path, v):
+        return v.astype(dtype) if keep(path) and mx.issubdtype(v.dtype, mx.floating) else v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
+def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None):
+    """(model, tokenizer, store) for a prep folder, experts from ``source``.
+
+    ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
+    weights and every expert's floating tensors are cast to it."""
     model_dir = Path(model_dir)
     manifest = check_prep_folder(model_dir)
     if cache_bytes is None:
         cache_bytes = int(manifest.expert_bytes * DEFAULT_CACHE_FRACTION)
     store = ExpertStore(manifest, source, cache_bytes)
+    store.dtype = dtype
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)
@@ -58,23 +75,30 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None):
         StreamingModel.__name__ = model_class.__name__
         return StreamingModel, args_class
 
-    model, config = load_model(model_dir, get_model_classes=get_classes)
+    # lazy, so a cast materializes each weight once, in its final dtype
+    model, config = load_model(model_dir, lazy=True, get_model_classes=get_classes)
+    if dtype is not None:
+        cast_model(model, dtype)
+    mx.eval(model.parameters())
     tokenizer = load_tokenizer(
         model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
     )
     return model, tokenizer, store
 
 
-def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None):
+def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=None):
     """Load a prep folder as ``(model, tokenizer)``; experts stream through iod.
 
     The result works unchanged with ``mlx_lm.generate`` and
-    ``mlx_lm.stream_generate``.
+    ``mlx_lm.stream_generate``. ``dtype``: e.g. ``mx.float32`` to run a
+    bfloat16 folder in float32 (much faster on CPUs without fast bfloat16).
     """
     from .budget import top_k
     from .client import IodClient
 
     check_prep_folder(model_dir)
+    if isinstance(dtype, str):
+        dtype = getattr(mx, dtype)
     source = IodClient(model_dir, iod=iod, working_set=top_k(model_dir))
-    model, tokenizer, _ = load_streaming(model_dir, source, cache_bytes, tokenizer_config)
+    model, tokenizer, _ = load_streaming(model_dir, source, cache_bytes, tokenizer_config, dtype)
     return model, tokenizer

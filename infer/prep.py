@@ -7,7 +7,6 @@ Everything else is copied byte for byte. The conversion works on raw
 safetensors bytes one record at a time, so memory stays flat.
 """
 
-import argparse
 import json
 import os
 import re
@@ -17,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from shared.blob import MANIFEST_NAME, NUMPY_DTYPES, LayerLayout, Manifest, ManifestError, plan_layer, record_checksum, verify_record
 
@@ -40,6 +39,9 @@ class ExpertLayer:
     # per segment, the source tensor it is sliced from
     sources: List[st.TensorInfo] = field(default_factory=list)
     target: str = "model"  # "model" or "mtp": which resident file its module belongs to
+    # or, for a converted folder: returns per segment a C-contiguous numpy
+    # array [experts, ...] of its raw bytes (computed when the layer is written)
+    load: Optional[Callable[[], list]] = None
 
 
 def peak_rss_mb() -> float:
@@ -55,8 +57,18 @@ def peak_rss_mb() -> float:
     return r / (1 << 20) if sys.platform == "darwin" else r / 1024
 
 
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def load_config(src: Path) -> dict:
     if not src.is_dir():
+        if not src.exists() and REPO_ID.match(str(src)):
+            local = str(src).split("/")[-1]
+            raise Refusal(
+                f"{src} is not a folder here; download the Hugging Face repo first: "
+                f"hf download {src} --local-dir {local} (or: huggingface-cli download {src} "
+                f"--local-dir {local}), then: infer prep --model {local} --out {local}-prep"
+            )
         raise Refusal(f"{src} is not a model folder (not a directory)")
     path = src / "config.json"
     if not path.is_file():
@@ -87,21 +99,38 @@ def build_model(config: dict):
 
 
 def expert_modules(model):
-    """[(path, [(projection, unquantized SwitchLinear)])] for every expert module."""
+    """[(layer, path, [(projection, unquantized SwitchLinear)])] for every
+    expert module (SwitchGLU / SwitchMLP), whatever its path is named."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
 
-    out = []
+    found = []
     for path, m in model.named_modules():
         if isinstance(m, (SwitchGLU, SwitchMLP)):
             projs = [(k, v) for k, v in m.items() if isinstance(v, (SwitchLinear, QuantizedSwitchLinear))]
-            out.append((path, projs))
-    out.sort(key=lambda pm: _layer_index(pm[0]) if _layer_index(pm[0]) is not None else 1 << 30)
-    return out
+            found.append((path, projs))
+    found.sort(key=lambda pm: _natural(pm[0]))
+    numbers = layer_numbers([p for p, _ in found])
+    return [(numbers[p], p, projs) for p, projs in found]
+
+
+def _natural(path: str):
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in path.split(".")]
 
 
 def _layer_index(path: str) -> Optional[int]:
-    m = re.search(r"(?:^|\.)layers\.(\d+)\.", path)
-    return int(m.group(1)) if m else None
+    """The block index in a module path: its last numeric component
+    (``model.layers.3.mlp.switch_mlp``, ``transformer.h.3.moe.mlp``)."""
+    nums = [int(t) for t in path.split(".") if t.isdigit()]
+    return nums[-1] if nums else None
+
+
+def layer_numbers(paths) -> Dict[str, int]:
+    """Blob number of each expert module: its block index, or its rank in
+    path order when block indices are missing or shared."""
+    idx = [_layer_index(p) for p in paths]
+    if None in idx or len(set(idx)) != len(idx):
+        return {p: i for i, p in enumerate(paths)}
+    return dict(zip(paths, idx))
 
 
 def infer_quant(path: str, in_dims: int, tensors: Dict[str, st.TensorInfo], qconfig) -> Optional[dict]:
@@ -159,20 +188,14 @@ def plan_expert_layer(layer, module, projections, tensors, qconfig, target="mode
 
 def plan(src: Path, config: dict):
     """(expert layers, resident tensors, mtp resident tensors); raises Refusal."""
-    tensors: Dict[str, st.TensorInfo] = {}
-    try:
-        for f in sorted(src.glob("model*.safetensors")):
-            tensors.update(st.read_header(f)[0])
-    except (OSError, st.SafetensorsError) as e:
-        raise Refusal(str(e)) from None
+    tensors = read_tensors(src)
     model = build_model(config)
     mods = expert_modules(model)
     if not mods:
         raise Refusal(f"{src} has no MoE layers (no SwitchGLU / SwitchMLP modules in its {config['model_type']} model)")
     qconfig = config.get("quantization", config.get("quantization_config")) or {}
     layers = []
-    for path, projs in mods:
-        layer = _layer_index(path)
+    for layer, path, projs in mods:
         projections = [(name, m.input_dims if hasattr(m, "input_dims") else m.weight.shape[-1]) for name, m in projs]
         layers.append(plan_expert_layer(layer, path, projections, tensors, qconfig))
     used = {s.name for l in layers for s in l.sources}
@@ -187,8 +210,8 @@ def plan(src: Path, config: dict):
             mtensors = st.read_header(mtp_file)[0]
         except (OSError, st.SafetensorsError) as e:
             raise Refusal(str(e)) from None
-        proj_dims = [(name, m.weight.shape[-1]) for name, m in mods[0][1]]
-        n_layers = config.get("num_hidden_layers", 0)
+        proj_dims = [(name, m.weight.shape[-1]) for name, m in mods[0][2]]
+        n_layers = max(config.get("num_hidden_layers", 0), max(l.layout.layer for l in layers) + 1)
         prefixes = sorted(
             {m.group(1) for k in mtensors if (m := re.match(r"^(mtp\.layers\.\d+\.[\w.]*?switch_mlp)\.", k))},
             key=_layer_index,
@@ -239,6 +262,7 @@ def write_blob(dst: Path, el: ExpertLayer, progress: Progress, batch_bytes: int 
     fds = {}
     checksums = []
     per_batch = max(1, batch_bytes // layout.stride)
+    arrays = el.load() if el.load is not None else None
     try:
         for s in el.sources:
             if s.file not in fds:
@@ -250,8 +274,12 @@ def write_blob(dst: Path, el: ExpertLayer, progress: Progress, batch_bytes: int 
                 for i in range(n):
                     e = e0 + i
                     base = i * layout.stride
-                    for seg, src in zip(layout.segments, el.sources):
-                        data = st.read_bytes(src, fds[src.file], e * seg.nbytes, seg.nbytes)
+                    for i, seg in enumerate(layout.segments):
+                        if arrays is not None:
+                            data = memoryview(arrays[i][e]).cast("B")
+                        else:
+                            src = el.sources[i]
+                            data = st.read_bytes(src, fds[src.file], e * seg.nbytes, seg.nbytes)
                         buf[base + seg.offset : base + seg.offset + seg.nbytes] = data
                     rec = memoryview(buf)[base : base + layout.record_bytes]
                     checksums.append(f"{record_checksum(layout.layer, e, rec):016x}")
@@ -322,14 +350,18 @@ def copy_resident(dst: Path, tensors, stem: str, progress: Progress, shard_bytes
     return names
 
 
-def copy_side_files(src: Path, dst: Path) -> List[str]:
+WEIGHT_SUFFIXES = (".safetensors", ".blob", ".tmp", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+def copy_side_files(src: Path, dst: Path, skip=()) -> List[str]:
     """config.json (unchanged), tokenizer and chat-template files, and other small metadata."""
     copied = []
     for p in sorted(src.iterdir()):
-        if not p.is_file() or p.suffix in (".safetensors", ".blob", ".tmp") or p.name in (
+        if not p.is_file() or p.suffix in WEIGHT_SUFFIXES or p.name in (
             MANIFEST_NAME,
             PARTIAL_MANIFEST,
             "model.safetensors.index.json",
+            *skip,
         ):
             continue
         shutil.copyfile(p, dst / (p.name + ".tmp"))
@@ -348,11 +380,39 @@ def check_dst(src: Path, dst: Path, force: bool, resume: bool) -> None:
         raise Refusal(f"{dst} exists and is not empty (use --force to replace it or --resume to continue)")
 
 
-def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_bytes=SHARD_BYTES) -> Manifest:
-    """Convert ``src`` into ``dst``; raises Refusal before writing anything if it cannot."""
+def read_tensors(src: Path) -> Dict[str, st.TensorInfo]:
+    tensors: Dict[str, st.TensorInfo] = {}
+    try:
+        for f in sorted(src.glob("model*.safetensors")):
+            tensors.update(st.read_header(f)[0])
+    except (OSError, st.SafetensorsError) as e:
+        raise Refusal(str(e)) from None
+    return tensors
+
+
+def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_bytes=SHARD_BYTES,
+         quant=None, dtype=None) -> Manifest:
+    """Convert ``src`` into ``dst``; raises Refusal before writing anything if it cannot.
+
+    ``src`` is an mlx-lm folder (its tensors are copied byte for byte) or a
+    folder as Hugging Face publishes it, which mlx-lm's code converts first:
+    ``quant`` (a ``prep_convert.Quantization``, default 4-bit affine) and
+    ``dtype`` apply to those only."""
+    from . import prep_convert
+
     config = load_config(src)
     check_dst(src, dst, force, resume)
-    layers, resident, mtp_resident = plan(src, config)
+    converted = None
+    if prep_convert.is_published_layout(src, config, read_tensors(src)):
+        quant = prep_convert.Quantization() if quant is None else quant
+        layers, resident, converted = prep_convert.convert(src, config, quant or None, dtype)
+        mtp_resident = []
+    else:
+        if quant is not None or dtype is not None:
+            raise Refusal(f"{src} is already converted by mlx-lm; its dtype and quantization are kept "
+                          "(--q-bits, --q-group-size, --q-mode, --no-quantize and --dtype apply to "
+                          "folders as Hugging Face publishes them)")
+        layers, resident, mtp_resident = plan(src, config)
 
     if dst.is_dir() and force and not resume:
         shutil.rmtree(dst)
@@ -383,7 +443,13 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
     copy_resident(dst, resident, "model", bar, shard_bytes)
     if mtp_resident:
         copy_resident(dst, mtp_resident, "mtp", bar, shard_bytes)
-    copy_side_files(src, dst)
+    if converted is not None:
+        from mlx_lm.utils import save_config
+
+        copy_side_files(src, dst, skip=("config.json",))
+        save_config(converted, dst / "config.json")
+    else:
+        copy_side_files(src, dst)
     bar.end()
     manifest.save(dst)
     (dst / PARTIAL_MANIFEST).unlink(missing_ok=True)
@@ -391,17 +457,53 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
     return manifest
 
 
+def build_parser():
+    from .args import Parser, add_version
+
+    p = Parser(prog="infer prep", description="convert an MoE model folder (mlx-lm's, or as Hugging Face "
+               "publishes it) into a prep folder: resident weights, one expert blob per MoE layer")
+    p.add_argument("--model", required=True, type=Path,
+                   help="model folder: mlx-lm / mlx-community, or a Hugging Face download (bf16/fp16)")
+    p.add_argument("--out", required=True, type=Path, help="prep folder to write")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--resume", action="store_true", help="keep layers of --out whose records already verify")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("Hugging Face folders (converted with mlx-lm's code; mlx_lm.convert's names)")
+    g.add_argument("-q", "--quantize", action="store_true", help="quantize (the default; see --no-quantize)")
+    g.add_argument("--no-quantize", action="store_true", help="keep the weights in floating point")
+    g.add_argument("--q-bits", type=int, choices=(4, 8), default=None, help="bits per weight (default: 4)")
+    g.add_argument("--q-group-size", type=int, choices=(32, 64, 128), default=None,
+                   help="group size (default: 64, mxfp4: 32)")
+    g.add_argument("--q-mode", choices=("affine", "mxfp4"), default=None, help="quantization mode (default: affine)")
+    g.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
+                   help="dtype of the floating weights (default: the config's torch_dtype)")
+    add_version(p)
+    return p
+
+
+def quant_from_args(a):
+    """The --q-* / --no-quantize choice: None when nothing was said."""
+    from .prep_convert import Quantization
+
+    said = a.quantize or a.no_quantize or any(v is not None for v in (a.q_bits, a.q_group_size, a.q_mode))
+    if not said:
+        return None
+    if a.no_quantize:
+        if a.quantize or any(v is not None for v in (a.q_bits, a.q_group_size, a.q_mode)):
+            raise Refusal("--no-quantize with a quantization option")
+        return False
+    mode = a.q_mode or "affine"
+    if mode == "mxfp4" and (a.q_bits or 4) != 4 or mode == "mxfp4" and (a.q_group_size or 32) != 32:
+        raise Refusal("mxfp4 is 4 bits in groups of 32")
+    return Quantization(a.q_bits or 4, a.q_group_size or (32 if mode == "mxfp4" else 64), mode)
+
+
 def main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="infer prep", description="convert an mlx-lm MoE model into a prep folder")
-    ap.add_argument("--model", required=True, type=Path, help="mlx-lm model folder")
-    ap.add_argument("--out", required=True, type=Path, help="prep folder to write")
-    ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    ap.add_argument("--resume", action="store_true", help="keep layers of --out whose records already verify")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     t0 = time.time()
     try:
-        m = prep(a.model, a.out, a.force, a.resume, progress=not a.no_progress)
+        m = prep(a.model, a.out, a.force, a.resume, progress=not a.no_progress,
+                 quant=quant_from_args(a), dtype=a.dtype)
     except Refusal as e:
         print(f"infer prep: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,28 @@ class TensorInfo:
         return DTYPES[self.tag][1]
 
 
+class ArrayTensor:
+    """A tensor to write that is not in a file yet: an MLX array (lazy until
+    written), evaluated and turned into bytes only when its turn comes."""
+
+    def __init__(self, name: str, array):
+        self.name = name
+        self.array = array
+        self.shape = tuple(array.shape)
+        self.nbytes = array.nbytes
+        self.tag = TAGS[str(array.dtype).rsplit(".", 1)[-1]]
+
+    def take_bytes(self) -> memoryview:
+        """Evaluate, return the raw bytes, and let go of the array."""
+        import mlx.core as mx
+        import numpy as np
+
+        a, self.array = self.array, None
+        if a.dtype == mx.bfloat16:
+            a = a.view(mx.uint16)
+        return memoryview(np.ascontiguousarray(np.asarray(a))).cast("B")
+
+
 def read_header(path) -> Tuple[Dict[str, TensorInfo], Dict[str, str]]:
     """Tensors of a safetensors file (by name) and its metadata."""
     path = Path(path)
@@ -86,8 +108,9 @@ def read_bytes(info: TensorInfo, fd: int, begin: int = 0, length: int = None) ->
 
 
 def write_file(path, tensors: List[TensorInfo], metadata=None, chunk=16 << 20, on_bytes=None) -> None:
-    """Write ``tensors`` (copied from their source files) into one new safetensors
-    file, reading at most ``chunk`` bytes at a time."""
+    """Write ``tensors`` (copied from their source files, or ``ArrayTensor``s
+    evaluated one at a time) into one new safetensors file, reading at most
+    ``chunk`` bytes of a file at a time."""
     header = {}
     offset = 0
     for t in tensors:
@@ -103,6 +126,16 @@ def write_file(path, tensors: List[TensorInfo], metadata=None, chunk=16 << 20, o
             out.write(struct.pack("<Q", len(raw)))
             out.write(raw)
             for t in tensors:
+                if isinstance(t, ArrayTensor):
+                    data = t.take_bytes()
+                    if len(data) != t.nbytes:
+                        raise SafetensorsError(f"{t.name}: {len(data)} bytes, expected {t.nbytes}")
+                    for begin in range(0, t.nbytes, chunk):
+                        out.write(data[begin : begin + chunk])
+                        if on_bytes:
+                            on_bytes(min(chunk, t.nbytes - begin))
+                    del data
+                    continue
                 fd = fds.get(t.file)
                 if fd is None:
                     fd = fds[t.file] = os.open(t.file, os.O_RDONLY)

@@ -1,38 +1,46 @@
 """`infer run`: generate text with a prep folder's experts streamed through iod."""
 
-import argparse
 import json
+import os
 import resource
 import sys
-
-import mlx.core as mx
-from mlx_lm.generate import stream_generate
-from mlx_lm.sample_utils import make_sampler
+from pathlib import Path
 
 from shared.units import format_size, parse_size
 
-from .loader import PrepFolderError, check_prep_folder, load_streaming
-from .speculative import DRAFTS, DraftedStream, check_draft
+from .args import Parser, add_dtype, add_sampling, add_version, positive_int, seed_int, str2bool
+
+EPILOG = ("mlx-lm's flags work as in mlx_lm.generate (-m is --max-tokens, -p is --prompt). "
+          "Ctrl-C stops the generation (exit status 130).")
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="infer run", description=__doc__)
+    from .speculative import DRAFTS
+
+    p = Parser(prog="infer run", description=__doc__.split(": ", 1)[1], epilog=EPILOG)
     p.add_argument("--model", required=True, help="prep folder (made by `infer prep`)")
-    p.add_argument("--prompt", default="Hello", help="prompt text ('-' reads stdin)")
-    p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--iod", default="auto", help="'auto' or a daemon's socket file")
-    p.add_argument("--mem-budget", default=None, help="bound on the session's memory, e.g. 4G")
-    p.add_argument("--ignore-chat-template", action="store_true")
-    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--prompt", "-p", default="Hello", help="prompt text ('-' reads stdin)")
+    add_sampling(p)
+    p.add_argument("--seed", type=seed_int, default=None, help="random seed for sampling")
+    p.add_argument("--max-kv-size", type=positive_int, default=None,
+                   help="keep at most this many tokens in the KV cache (rotating)")
+    add_dtype(p)
+    p.add_argument("--iod", default="auto",
+                   help="'auto' (the shared daemon, else a private one) or a daemon's socket file")
+    p.add_argument("--mem-budget", default=None,
+                   help="bound on the session's memory, e.g. 4G (default: a quarter of the experts cached)")
+    p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
+    p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument("--verbose", type=str2bool, nargs="?", const=True, default=True,
+                   help="print the text between '==========' lines and the stats (False: the text only)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--draft", default="none", choices=DRAFTS,
-                   help="speculative decoding (greedy): n-gram lookup, the MTP head, or auto")
-    p.add_argument("--num-draft", type=int, default=4, help="tokens drafted per verify pass")
+                   help="exact speculative decoding (greedy): n-gram lookup, the MTP head, or auto")
+    p.add_argument("--num-draft-tokens", "--num-draft", dest="num_draft", type=positive_int, default=4,
+                   help="tokens drafted per verify pass")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="write trace.json, latency.png and summary.{json,md} of the expert requests")
+    add_version(p)
     return p
 
 
@@ -60,7 +68,9 @@ def daemon_bytes_read(source):
 
 
 def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens):
-    stats = {
+    import mlx.core as mx
+
+    return {
         "prompt_tokens": n_prompt,
         "generation_tokens": n_tokens,
         "prompt_tps": prompt_tps,
@@ -73,16 +83,17 @@ def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens):
         "stall_s": store.stats["stall_s"],
         "prediction": store.prediction_stats(),
     }
-    return stats
 
 
-def summary_line(s):
-    return (
-        f"prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s | "
-        f"decode: {s['generation_tokens']} tokens, {s['decode_tps']:.2f} tok/s | "
-        f"peak memory {format_size(s['peak_rss'])} | experts: {s['hits']} hits, "
-        f"{s['misses']} misses, {format_size(s['bytes_read'])} read"
-    )
+def stats_lines(s):
+    """mlx-lm's end-of-run block, then the expert figures."""
+    return [
+        f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec",
+        f"Generation: {s['generation_tokens']} tokens, {s['decode_tps']:.3f} tokens-per-sec",
+        f"Peak memory: {s['peak_mlx_memory'] / 1e9:.3f} GB",
+        f"Experts: {s['hits']} hits, {s['misses']} misses, {format_size(s['bytes_read'])} read, "
+        f"{s['stall_s']:.3f} s stalled; peak RSS {s['peak_rss'] / 1e9:.3f} GB",
+    ]
 
 
 def cache_bytes_for(budget, model_dir, manifest, private_daemon=True):
@@ -92,14 +103,57 @@ def cache_bytes_for(budget, model_dir, manifest, private_daemon=True):
     return plan_memory(budget, model_dir, manifest, private_daemon).cache_bytes
 
 
+def check_profile_dir(folder):
+    """Create ``--profile DIR`` now, so an unwritable one fails before the run."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".infer-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--profile {folder}: cannot write there ({e.strerror or e})") from None
+
+
+def prep_folder_hint(model):
+    """A one-line pointer when --model is a model folder that was not prepped."""
+    p = Path(model)
+    if p.is_dir() and (p / "config.json").is_file() and not (p / "manifest.json").exists():
+        return f"; prep it first: infer prep --model {model} --out {p.name}-prep"
+    if not p.exists() and "/" in model and not model.startswith((".", "/")):
+        return "; infer run takes a prep folder: download the model, then `infer prep` it (see README)"
+    return ""
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .budget import top_k
-    from .client import DaemonDead, IodClient, IodError
-
     try:
-        manifest = check_prep_folder(args.model)
+        return _main(args)
+    except KeyboardInterrupt:
+        # the client's close (in _main's finally) has already stopped a private daemon
+        print("\ninfer run: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `infer run ... | head`: stop quietly
+        sys.stdout = open(os.devnull, "w")
+        return 0
+
+
+def _main(args) -> int:
+    from .loader import PrepFolderError, check_prep_folder
+    from .speculative import check_draft
+
+    # every check that needs no model comes before loading one
+    try:
+        try:
+            manifest = check_prep_folder(args.model)
+        except PrepFolderError as e:
+            raise ValueError(f"{e}{prep_folder_hint(args.model)}") from None
         check_draft(args.draft, args.model, args.temp)
+        if args.max_kv_size is not None and args.draft != "none":
+            raise ValueError("--max-kv-size works without --draft only")
+        if args.profile:
+            check_profile_dir(args.profile)
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         cache_bytes, client_kw = None, {}
         if args.mem_budget is not None:
             from .budget import plan_memory, shared_daemon_running
@@ -110,62 +164,21 @@ def main(argv=None) -> int:
             cache_bytes = plan.cache_bytes
             if private:
                 client_kw["arena"] = plan.arena_bytes
-    except (PrepFolderError, ValueError) as e:
+    except ValueError as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
+
+    from .budget import top_k
+    from .client import DaemonDead, IodClient, IodError
+
     try:
         source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model),
                            profile=bool(args.profile), **client_kw)
     except IodError as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
-
     try:
-        model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
-        profiler = None
-        if args.profile:
-            from .profile import attach
-
-            profiler = attach(store, source)
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        ids = encode_prompt(tokenizer, prompt, args.ignore_chat_template, args.system_prompt)
-        if args.seed is not None:
-            mx.random.seed(args.seed)
-        sampler = make_sampler(args.temp, args.top_p)
-        disk_before = daemon_bytes_read(source)
-        tokens, text = [], ""
-        response = None
-        if args.draft == "none":
-            responses = stream_generate(
-                model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler
-            )
-        else:
-            responses = DraftedStream(model, tokenizer, ids, args.model, store, args.draft,
-                                      args.num_draft, args.max_tokens, manifest)
-        for response in responses:
-            tokens.append(response.token)
-            if profiler:
-                profiler.token()
-            text += response.text
-            if not args.json:
-                print(response.text, end="", flush=True)
-        if response is not None and response.finish_reason == "stop":
-            tokens.pop()  # the eos token is not part of the text
-        stats = session_stats(
-            store,
-            response.prompt_tps if response else 0.0,
-            response.generation_tps if response else 0.0,
-            len(ids),
-            len(tokens),
-        )
-        if args.draft != "none" and responses.stats is not None:
-            stats["draft"] = responses.stats.summary()
-        # shared by every session of the daemon: the others' reads count too
-        stats["daemon_bytes_read"] = daemon_bytes_read(source) - disk_before
-        stats["daemon_pid"] = getattr(source, "daemon_pid", 0)
-        if profiler:
-            profiler.write(args.profile, stats)
-            print(f"infer run: profile in {args.profile}", file=sys.stderr)
+        stats, tokens, text = generate(args, source, manifest, prompt, cache_bytes)
     except DaemonDead as e:
         print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1
@@ -177,7 +190,80 @@ def main(argv=None) -> int:
 
     if args.json:
         print(json.dumps({"tokens": tokens, "text": text, "stats": stats}))
+    elif args.verbose:
+        print("\n==========")
+        if not tokens:
+            print("No text generated for this prompt")
+        print("\n".join(stats_lines(stats)))
+        if "draft" in stats:
+            d = stats["draft"]
+            print(f"Draft: {d['kind']}, {d['accept_len']:.2f} tokens per pass, "
+                  f"acceptance {d['acceptance_rate']:.2f}")
     else:
         print()
-        print(summary_line(stats), file=sys.stderr)
     return 0
+
+
+def generate(args, source, manifest, prompt, cache_bytes):
+    """Load, then stream the text to stdout; (stats, token ids, text)."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from .args import mx_dtype
+    from .loader import load_streaming
+    from .speculative import DraftedStream
+
+    dtype = mx_dtype(args.dtype)
+    model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype)
+    profiler = None
+    if args.profile:
+        from .profile import attach
+
+        profiler = attach(store, source)
+    ids = encode_prompt(tokenizer, prompt, args.ignore_chat_template, args.system_prompt)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    disk_before = daemon_bytes_read(source)
+    tokens, text = [], ""
+    response = None
+    if args.draft == "none":
+        responses = stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                    sampler=sampler, max_kv_size=args.max_kv_size)
+    else:
+        responses = DraftedStream(model, tokenizer, ids, args.model, store, args.draft,
+                                  args.num_draft, args.max_tokens, manifest)
+        mtp = responses.kwargs.get("mtp")
+        if dtype is not None and mtp is not None:
+            from .loader import cast_model
+
+            cast_model(mtp.head, dtype)
+    show = not args.json
+    if show and args.verbose:
+        print("==========", flush=True)
+    for response in responses:
+        tokens.append(response.token)
+        if profiler:
+            profiler.token()
+        text += response.text
+        if show:
+            print(response.text, end="", flush=True)
+    if response is not None and response.finish_reason == "stop":
+        tokens.pop()  # the eos token is not part of the text
+    stats = session_stats(
+        store,
+        response.prompt_tps if response else 0.0,
+        response.generation_tps if response else 0.0,
+        len(ids),
+        len(tokens),
+    )
+    if args.draft != "none" and responses.stats is not None:
+        stats["draft"] = responses.stats.summary()
+    # shared by every session of the daemon: the others' reads count too
+    stats["daemon_bytes_read"] = daemon_bytes_read(source) - disk_before
+    stats["daemon_pid"] = getattr(source, "daemon_pid", 0)
+    if profiler:
+        profiler.write(args.profile, stats)
+        print(f"infer run: profile in {args.profile}", file=sys.stderr)
+    return stats, tokens, text

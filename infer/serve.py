@@ -1,9 +1,9 @@
 """`infer serve`: mlx-lm's OpenAI-compatible HTTP server on a prep folder.
 
 The HTTP side (``/v1/chat/completions``, ``/v1/completions``, streaming or
-not, ``/v1/models``, ``/health``) is mlx-lm's own server, unchanged; only its
-model provider is replaced, so that the model is the prep folder's with
-experts streamed through iod. The server process is one session of the
+not, ``/health``) is mlx-lm's own server, unchanged; its model provider is
+replaced, so that the model is the prep folder's with experts streamed
+through iod, and ``/v1/models`` lists that folder. The server process is one session of the
 daemon: several servers and ``infer run`` processes share its reads.
 """
 
@@ -11,6 +11,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -21,7 +22,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.units import parse_size
 
+from .args import Parser, add_dtype, add_sampling, add_version, mx_dtype, port_int, positive_int
 from .loader import PrepFolderError, check_prep_folder, load_streaming
+
+MODELS = ("Model names: a request's \"model\" may be the folder's name (what /v1/models lists), "
+          "the --model argument as given, its absolute path, or \"default_model\"; "
+          "leaving it out means this model too.")
 
 # mlx-lm server options infer serve does not offer, at mlx-lm's defaults
 _FIXED = dict(
@@ -32,27 +38,31 @@ _FIXED = dict(
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="infer serve", description=__doc__.splitlines()[0])
+    p = Parser(prog="infer serve", description=__doc__.splitlines()[0].split(": ", 1)[1], epilog=MODELS)
     p.add_argument("--model", required=True, help="prep folder (made by `infer prep`)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed)")
-    p.add_argument("--iod", default="auto", help="'auto' or a daemon's socket file")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=port_int, default=8080, help="port to listen on (0 picks a free one, printed)")
+    p.add_argument("--iod", default="auto",
+                   help="'auto' (the shared daemon, else a private one) or a daemon's socket file")
     p.add_argument("--mem-budget", default=None, help="bound on the session's memory, e.g. 4G")
-    p.add_argument("--max-tokens", type=int, default=512, help="default per request")
-    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--chat-template", default="")
-    p.add_argument("--use-default-chat-template", action="store_true")
-    p.add_argument("--chat-template-args", type=json.loads, default="{}")
-    p.add_argument("--decode-concurrency", type=int, default=32,
+    add_dtype(p)
+    add_sampling(p, max_tokens=512, serve=True)
+    p.add_argument("--chat-template", default="", help="a chat template to use instead of the tokenizer's")
+    p.add_argument("--use-default-chat-template", action="store_true",
+                   help="use the tokenizer's default chat template")
+    p.add_argument("--chat-template-args", type=json.loads, default="{}",
+                   help="JSON object of extra chat template arguments")
+    p.add_argument("--decode-concurrency", type=positive_int, default=32,
                    help="requests decoded together in one batch")
-    p.add_argument("--prompt-concurrency", type=int, default=8)
-    p.add_argument("--prefill-step-size", type=int, default=2048)
-    p.add_argument("--prompt-cache-size", type=int, default=10)
+    p.add_argument("--prompt-concurrency", type=positive_int, default=8,
+                   help="prompts prefilled together")
+    p.add_argument("--prefill-step-size", type=positive_int, default=2048,
+                   help="prompt tokens per prefill step")
+    p.add_argument("--prompt-cache-size", type=positive_int, default=10,
+                   help="prompt caches kept for reuse")
     p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging level")
+    add_version(p)
     return p
 
 
@@ -64,13 +74,12 @@ class StreamingModelProvider(mlx_server.ModelProvider):
     built on mlx-lm's generation thread, the only thread that then uses it.
     """
 
-    def __init__(self, cli_args, source, cache_bytes=None):
+    def __init__(self, cli_args, source, cache_bytes=None, given=None):
         super().__init__(cli_args)
         self.source = source
         self.cache_bytes = cache_bytes
         self.store = None
-        folder = Path(cli_args.model)
-        self._names = {"default_model", cli_args.model, str(folder.resolve()), folder.name}
+        self._names = model_names(cli_args.model, given)
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         if model_path not in self._names:
@@ -86,7 +95,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         gc.collect()
         mx.clear_cache()
         model, tokenizer, store = load_streaming(
-            model_path, self.source, self.cache_bytes, self._tokenizer_config)
+            model_path, self.source, self.cache_bytes, self._tokenizer_config,
+            dtype=mx_dtype(self.cli_args.dtype))
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
@@ -96,6 +106,40 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
         logging.info(f"infer serve: loaded {model_path} (daemon pid {self.source.daemon_pid}, "
                      f"session {self.source.session_id})")
+
+
+def model_names(model, given=None):
+    """The names a request may give for the served folder (see MODELS)."""
+    folder = Path(model)
+    return {"default_model", model, given or model, str(folder.resolve()), folder.resolve().name}
+
+
+def _handler_class(model, given=None):
+    """mlx-lm's request handler, with /v1/models listing the served folder
+    (mlx-lm's lists the Hugging Face cache, and fails without one)."""
+    from urllib.parse import unquote
+
+    listed = Path(model).resolve().name
+    names = model_names(model, given)
+
+    class Handler(mlx_server.APIHandler):
+        def handle_models_request(self):
+            card = {"id": listed, "object": "model", "created": self.created, "owned_by": "infer"}
+            rest = unquote(self.path.split("?")[0][len("/v1/models"):]).strip("/")
+            if not rest:
+                status, body = 200, {"object": "list", "data": [card]}
+            elif rest in names or "/" + rest in names:
+                status, body = 200, card
+            else:
+                status, body = 404, {"error": {"message": f"model {rest!r} is not served here "
+                                                          f"(this server serves {listed!r})",
+                                               "type": "invalid_request_error", "code": "model_not_found"}}
+            self._set_completion_headers(status)
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+            self.wfile.flush()
+
+    return Handler
 
 
 def _server_class(host):
@@ -132,21 +176,28 @@ def main(argv=None) -> int:
 
     cli_args = argparse.Namespace(**vars(args), **_FIXED)
     cli_args.model = str(Path(args.model).resolve())
-    provider = StreamingModelProvider(cli_args, source, cache_bytes)
+    provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model)
     signal.signal(signal.SIGTERM, _stop)
     generator = mlx_server.ResponseGenerator(
         provider, mlx_server.LRUPromptCache(args.prompt_cache_size))
     try:
         # mlx-lm's server loop; on SIGINT/SIGTERM it stops the generation thread
         mlx_server._run_http_server(args.host, args.port, generator,
-                                    server_class=_server_class(args.host))
+                                    server_class=_server_class(args.host),
+                                    handler_class=_handler_class(cli_args.model, args.model))
     except OSError as e:  # the address cannot be bound
         generator.stop_and_join()
         print(f"infer serve: {e}", file=sys.stderr)
         return 2
     finally:
         source.close()
-    return 0
+    # Everything is closed; skip the interpreter's teardown, where MLX's
+    # stream threads sometimes abort the process ("terminate called without
+    # an active exception", about one SIGTERM in four here)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,12 @@ _MX_DTYPES = {
 }
 
 
+def _dtype(segment, cast=None):
+    """The MLX dtype a segment is used in: its own, or ``cast`` for floats."""
+    dtype = _MX_DTYPES[segment.dtype]
+    return cast if cast is not None and mx.issubdtype(dtype, mx.floating) else dtype
+
+
 def writes_in_place() -> bool:
     """Whether records can be copied straight into MLX arrays' memory: on the
     CPU and on Apple silicon an array's buffer is host memory. A CUDA GPU's
@@ -63,19 +69,23 @@ class LayerStack:
 
     HALF_LIFE = 16.0  # calls of the layer (tokens, in decode)
 
-    def __init__(self, layout, capacity):
+    def __init__(self, layout, capacity, cast=None):
         self.layout = layout
         self.capacity = capacity
+        self.cast = cast  # dtype of the floating tensors (infer --dtype), None: as stored
         self.identity = capacity >= layout.num_experts
         self.t = 0
         self._score = {}  # expert -> (decayed access count, at t); also evicted ones
         self._decay = 0.5 ** (1.0 / self.HALF_LIFE)
         self.arrays = {}
         for s in layout.segments:
-            a = mx.zeros((max(capacity, 1), *s.shape), _MX_DTYPES[s.dtype])
+            a = mx.zeros((max(capacity, 1), *s.shape), _dtype(s, cast))
             self.arrays[(s.projection, s.tensor)] = a
         mx.eval(list(self.arrays.values()))
-        self.in_place = writes_in_place()
+        # tensors whose records are copied straight into the arrays' memory:
+        # host memory, and no cast on the way
+        self.in_place = [writes_in_place() and _dtype(s, cast) == _MX_DTYPES[s.dtype]
+                         for s in layout.segments]
         self.position = OrderedDict()  # expert -> position, least recent first
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -129,46 +139,51 @@ class LayerStack:
         return pos
 
     def copy_in(self, batch, positions):
-        """Copy ``batch``'s records to ``positions``: one native copy for every
-        tensor where the stack's memory is host memory, else one transfer and
-        one scatter per tensor."""
-        if self.in_place:
+        """Copy ``batch``'s records to ``positions``: one native copy for all
+        the tensors whose memory is host memory (and need no cast), one
+        transfer (and cast) and one scatter per other tensor."""
+        keys = list(self.arrays)
+        direct = [i for i, ok in enumerate(self.in_place) if ok]
+        if direct:
             rows = []
-            for ti, s in enumerate(self.layout.segments):
+            for ti in direct:
+                s = self.layout.segments[ti]
                 for src, pos in zip(batch.offsets.tolist(), positions):
                     rows.append((ti, pos * s.nbytes, src + s.offset, s.nbytes))
             # views of the tensors' memory for this copy only: none outlives its array
-            memory = [memoryview(a) for a in self.arrays.values()]
+            memory = [memoryview(self.arrays[k]) for k in keys]
             try:
                 native.copy_regions(memory, batch.buf, np.array(rows, dtype=np.int64))
             finally:
                 for m in memory:
                     m.release()
-            return
-        idx = mx.array(np.array(positions, dtype=np.uint32))
-        for key, arr in staged(self.layout, batch).items():
-            self.arrays[key][idx] = arr
+        if len(direct) < len(keys):
+            idx = mx.array(np.array(positions, dtype=np.uint32))
+            rest = [s for s, ok in zip(self.layout.segments, self.in_place) if not ok]
+            for key, arr in staged(self.layout, batch, cast=self.cast, segments=rest).items():
+                self.arrays[key][idx] = arr
 
     @property
     def nbytes(self):
         return self.capacity * self.layout.record_bytes
 
 
-def staged(layout, batch, order=None):
+def staged(layout, batch, order=None, cast=None, segments=None):
     """{(projection, tensor): MLX array of the batch's records (those at
-    ``order``), stacked}: one native copy into host staging and one
-    ``mx.array`` per tensor."""
+    ``order``), stacked, floats cast to ``cast``}: one native copy into host
+    staging and one ``mx.array`` per tensor (of ``segments``, default all)."""
     order = range(len(batch)) if order is None else order
     n = len(order)
     out = {}
     offsets = batch.offsets.tolist()
-    for s in layout.segments:
+    for s in layout.segments if segments is None else segments:
         buf = np.empty((n, s.nbytes), dtype=np.uint8)
         rows = [(0, j * s.nbytes, offsets[i] + s.offset, s.nbytes) for j, i in enumerate(order)]
         native.copy_regions([buf], batch.buf, np.array(rows, dtype=np.int64))
         a = mx.array(buf.view(NUMPY_DTYPES[s.dtype]).reshape(n, *s.shape))
         dtype = _MX_DTYPES[s.dtype]
-        out[(s.projection, s.tensor)] = a if a.dtype == dtype else a.view(dtype)
+        a = a if a.dtype == dtype else a.view(dtype)
+        out[(s.projection, s.tensor)] = a.astype(_dtype(s, cast)) if cast is not None else a
     return out
 
 
@@ -197,6 +212,7 @@ class ExpertStore:
         self.routers = {}  # layer -> (router module, top k)
         self.next_layers = {}  # layer -> the MoE layers after it, in order
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
+        self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
         self.trace = None  # set to a list to record (layer, experts) per call
         self.profiler = None  # an infer.profile.Profiler: per-layer spans
         # per depth: [true positives, predicted, actual]
@@ -212,7 +228,7 @@ class ExpertStore:
             layout = self.layouts[layer]
             share = self.cache_bytes // len(self.layouts)
             capacity = min(share // layout.record_bytes, layout.num_experts)
-            self.stacks[layer] = LayerStack(layout, capacity)
+            self.stacks[layer] = LayerStack(layout, capacity, self.dtype)
         return self.stacks[layer]
 
     def set_routers(self, routers):
@@ -321,7 +337,8 @@ class ExpertStore:
                 stack.copy_in(sub, [places[e] for e in sub.experts])
             rest = [i for i, e in enumerate(batch.experts) if places[e] is None]
             if rest:
-                parts.append(([batch.experts[i] for i in rest], staged(stack.layout, batch, rest)))
+                parts.append(([batch.experts[i] for i in rest],
+                              staged(stack.layout, batch, rest, cast=self.dtype)))
 
         self._fetch(layer, missing, copy)
         cached = [e for e in wanted if e in stack]

@@ -7,7 +7,6 @@ same seed gives the same bytes, and they are written shard by shard so a big
 model never sits in memory whole.
 """
 
-import argparse
 import json
 import os
 import re
@@ -402,12 +401,46 @@ def mtp_module(config, args):
     return root
 
 
+# layout "hf": the tensors as Hugging Face publishes them (one per expert,
+# the published names, unquantized), for the archs whose mlx-lm sanitize
+# stacks per-expert tensors
+HF_EXPERT_NAMES = {
+    "qwen3_moe": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+    "qwen3_next": {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+    "mixtral": {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"},
+}
+HF_ARCHS = tuple(HF_EXPERT_NAMES)
+# Qwen3-Next's published norms hold weight - 1 (mlx-lm's sanitize adds 1)
+_NEXT_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+               ".q_norm.weight", ".k_norm.weight")
+
+
+def hf_tensors(arch, name, a):
+    """The published tensor(s) that mlx-lm's sanitize turns into ``name``."""
+    m = re.match(r"^(.*)\.switch_mlp\.(\w+)\.weight$", name)
+    if m and a.ndim == 3:
+        proj = HF_EXPERT_NAMES[arch][m.group(2)]
+        for e in range(a.shape[0]):
+            yield f"{m.group(1)}.experts.{e}.{proj}.weight", a[e]
+        return
+    if arch == "qwen3_next":
+        if a.ndim == 1 and any(name.endswith(k) for k in _NEXT_NORMS):
+            a = a - 1.0
+        elif "conv1d.weight" in name and a.shape[-1] == 1:
+            a = a.moveaxis(2, 1)
+    yield name, a
+
+
 def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers=None, seed=0,
-               shard_bytes=None, log=None) -> dict:
-    """Build the model into ``out`` (which must exist and be empty); returns config."""
+               shard_bytes=None, log=None, layout="mlx") -> dict:
+    """Build the model into ``out`` (which must exist and be empty); returns config.
+
+    ``layout="hf"``: unquantized, with the published names (``quant`` unused)."""
     config = synth_presets.make_config(arch, preset, layers)
-    q = QUANTS[quant]
-    config["quantization"] = dict(q)
+    hf = layout == "hf"
+    q = None if hf else QUANTS[quant]
+    if q is not None:
+        config["quantization"] = dict(q)
     config["torch_dtype"] = dtype
     config["eos_token_id"] = 2
     config["bos_token_id"] = None
@@ -417,7 +450,7 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
     cal = calibration(config["model_type"], preset)
     mx.random.seed(seed)
     model, args = build_model(config)
-    plan = quant_plan(model, q)
+    plan = quant_plan(model, q) if q is not None else {}
     for path, p in plan.items():
         if p != q:
             config["quantization"][path] = p
@@ -427,7 +460,8 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
     done = set()
     t0 = time.time()
     for name, a in gen.tensors(model):
-        writer.add(name, a)
+        for name_out, a_out in (hf_tensors(arch, name, a) if hf else [(name, a)]):
+            writer.add(name_out, a_out)
         if log and name.startswith("model.layers."):
             i = int(name.split(".")[2])
             if i not in done:
@@ -436,7 +470,7 @@ def synthesize(arch, preset, out: Path, quant="affine4", dtype="float32", layers
     writer.finish()
     del model
 
-    if config["model_type"] == "qwen3_next" and config.get("mtp_num_hidden_layers", 0) > 0:
+    if config["model_type"] == "qwen3_next" and config.get("mtp_num_hidden_layers", 0) > 0 and not hf:
         mx.random.seed(seed + 1)
         mtp = mtp_module(config, args)
         mplan = quant_plan(mtp, q)
@@ -468,14 +502,21 @@ def folder_bytes(folder: Path):
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="infer synth", description="build a random-weight MoE model in mlx-lm format")
+    from .args import Parser
+
+    ap = Parser(prog="infer synth", description="build a random-weight MoE model in mlx-lm format "
+                "(or, with --layout hf, as Hugging Face publishes one)")
     ap.add_argument("--arch", help=f"one of {', '.join(ARCHS)}")
     ap.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--quant", default=None, help="affine4 | affine8 | mxfp4 (gpt_oss: mxfp4 only)")
-    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16")
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="folder to write")
+    ap.add_argument("--layout", default="mlx", choices=("mlx", "hf"),
+                    help=f"mlx: stacked and quantized as mlx-lm saves it; hf: one unquantized tensor "
+                    f"per expert, the published names ({', '.join(HF_ARCHS)})")
+    ap.add_argument("--quant", default=None, help="affine4 | affine8 | mxfp4 (gpt_oss: mxfp4 only; "
+                    "default: affine4, gpt_oss mxfp4; not with --layout hf)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32, hf: bfloat16)")
+    ap.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
     ap.add_argument("--routing-report", type=Path, metavar="DIR", help="print routing statistics of a synth model")
     ap.add_argument("--tokens", type=int, default=1024, help="routing report: tokens of text to route")
@@ -496,6 +537,13 @@ def main(argv) -> int:
         a.arch = synth_presets.REAL[a.preset]["model_type"]
     if a.arch not in ARCHS:
         return fail(f"unknown arch {a.arch!r} (choose from {', '.join(ARCHS)})")
+    if a.layout == "hf":
+        if a.arch not in HF_ARCHS:
+            return fail(f"--layout hf is made for {', '.join(HF_ARCHS)}, not {a.arch}")
+        if a.quant is not None:
+            return fail("--layout hf is unquantized, as published (infer prep quantizes it)")
+        a.quant = "affine4"  # unused
+    a.dtype = a.dtype or ("bfloat16" if a.layout == "hf" else "float32")
     if a.quant is None:
         a.quant = "mxfp4" if a.arch == "gpt_oss" else "affine4"
     if a.quant not in QUANTS:
@@ -527,7 +575,7 @@ def main(argv) -> int:
     try:
         info = synthesize(
             a.arch, a.preset, tmp, a.quant, a.dtype, a.layers, a.seed,
-            log=lambda s: (sys.stderr.write(s), sys.stderr.flush()),
+            log=lambda s: (sys.stderr.write(s), sys.stderr.flush()), layout=a.layout,
         )
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
@@ -539,7 +587,8 @@ def main(argv) -> int:
     c = info["config"]
     print(
         f"wrote {out}: {c['model_type']} {a.preset}, {c['num_hidden_layers']} layers, "
-        f"{a.quant} {a.dtype}, seed {a.seed}, {n} files, {size / 1e6:.1f} MB "
+        f"{'Hugging Face layout' if a.layout == 'hf' else a.quant} {a.dtype}, seed {a.seed}, "
+        f"{n} files, {size / 1e6:.1f} MB "
         f"(tokenizer vocab {info['tokenizer_vocab']})"
     )
     return 0

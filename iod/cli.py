@@ -30,9 +30,19 @@ def parse_size(text: str) -> int:
     return int(n * mult)
 
 
+def _version():
+    from importlib import metadata
+
+    try:
+        return metadata.version("iod-moe")
+    except metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def _parser():
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="iod", description="expert IO daemon", formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"iod: iod-moe {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="start the daemon (detached unless --foreground)",
                         formatter_class=fmt)

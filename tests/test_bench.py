@@ -18,7 +18,7 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
     prep = prep_model("qwen3_moe")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep),
-                        "--runs", "1", "--max-tokens", "8", "--json", str(out)],
+                        "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())

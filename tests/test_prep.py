@@ -321,3 +321,105 @@ def test_write_blob_removes_its_tmp_on_failure(tmp_path, synth_model, monkeypatc
     with pytest.raises(OSError):
         prep_mod.write_blob(tmp_path, layers[0], prep_mod.Progress(1, False))
     assert list(tmp_path.iterdir()) == []
+
+
+# --- folders as Hugging Face publishes them ----------------------------------------------------
+
+
+def synth_hf(folder, arch, preset="tiny", layers=None):
+    from infer.synth import main as synth_main
+
+    argv = ["--arch", arch, "--preset", preset, "--layout", "hf", "--out", str(folder)]
+    if layers:
+        argv += ["--layers", str(layers)]
+    assert synth_main(argv) == 0
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "mixtral"])
+def test_published_layout_is_converted_as_mlx_lm_convert_does(arch, tmp_path):
+    """A bf16 folder in Hugging Face's layout: the prep folder holds, byte for
+    byte, what `mlx_lm.convert -q` writes (resident tensors, each expert's
+    slice of the stacked tensors, the config's quantization)."""
+    from mlx_lm.convert import convert
+
+    src = synth_hf(tmp_path / "hf", arch)
+    dst = tmp_path / "prep"
+    assert prep_main(["--model", str(src), "--out", str(dst), "--no-progress"]) == 0
+    ref = tmp_path / "mlx"
+    convert(str(src), str(ref), quantize=True, q_group_size=64, q_bits=4)
+
+    expected = load_all(ref, "model*.safetensors")
+    resident = load_all(dst, "model*.safetensors")
+    manifest = Manifest.load(dst)
+    expert_keys = set()
+    for layout in manifest.layers:
+        for e in (0, layout.num_experts - 1):
+            rec = read_record(dst, layout, e)
+            assert verify_record(layout, e, rec)
+            for seg in layout.segments:
+                key = f"{layout.module}.{seg.projection}.{seg.tensor}"
+                expert_keys.add(key)
+                assert rec[seg.offset : seg.offset + seg.nbytes] == raw(expected[key][e]), (key, e)
+        assert layout.quantization[layout.projections[0]] == {"mode": "affine", "bits": 4, "group_size": 64}
+    assert set(resident) | expert_keys == set(expected)
+    for k, v in resident.items():
+        assert v.dtype == expected[k].dtype and raw(v) == raw(expected[k]), k
+    ours, theirs = (json.loads((f / "config.json").read_text()) for f in (dst, ref))
+    assert ours["quantization"] == theirs["quantization"]
+
+
+def test_published_layout_runs_exactly_as_mlx_lm_convert_output(tmp_path, monkeypatch):
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+    from mlx_lm.convert import convert
+    from mlx_lm.generate import generate_step
+
+    from infer.client import IodClient
+    from infer.loader import load_streaming
+    from tests.iod_fixtures import short_dir
+
+    monkeypatch.setenv("IOD_RUN_DIR", str(short_dir("iodh-")))
+    src = synth_hf(tmp_path / "hf", "qwen3_moe")
+    dst = tmp_path / "prep"
+    assert prep_main(["--model", str(src), "--out", str(dst), "--no-progress", "--q-bits", "8"]) == 0
+    ref = tmp_path / "mlx"
+    convert(str(src), str(ref), quantize=True, q_group_size=64, q_bits=8)
+    model, tokenizer = mlx_load(str(ref))
+    prompt = mx.array(tokenizer.encode("The lighthouse keeper counted the ships"))
+    expected = [int(t) for t, _ in generate_step(prompt, model, max_tokens=12)]
+    source = IodClient(dst, iod="auto")
+    try:
+        streamed, _, _ = load_streaming(dst, source, cache_bytes=1)
+        assert [int(t) for t, _ in generate_step(prompt, streamed, max_tokens=12)] == expected
+    finally:
+        source.close()
+
+
+def test_published_layout_peak_rss_below_1_gb(tmp_path):
+    """`infer prep` of a bf16 Hugging Face folder of the small preset's size
+    (3 of its 16 layers: the peak is per tensor, not per model) stays below
+    1 GB, and below the model's own size."""
+    src = synth_hf(tmp_path / "hf", "qwen3_moe", preset="small", layers=3)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "prep", "--model", str(src),
+                        "--out", str(tmp_path / "out"), "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    peak_mb = float(r.stdout.split("peak RSS ")[1].split()[0])
+    print(f"prep of a {size / 1e6:.0f} MB bf16 Hugging Face folder: peak RSS {peak_mb:.0f} MB")
+    assert peak_mb < 1000 and peak_mb * 1e6 < size, (peak_mb, size)
+
+
+def test_repo_id_is_one_line_with_the_download_command(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = refuse(["--model", "Qwen/Qwen3-30B-A3B", "--out", "q"], capsys)
+    assert "hf download Qwen/Qwen3-30B-A3B --local-dir Qwen3-30B-A3B" in line
+    assert "huggingface-cli download" in line
+
+
+def test_quantization_options_are_for_published_folders_only(synth_model, tmp_path, capsys):
+    src = synth_model("qwen3_moe")
+    capsys.readouterr()
+    msg = refuse(["--model", str(src), "--out", str(tmp_path / "o"), "--q-bits", "8"], capsys)
+    assert "already converted by mlx-lm" in msg

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -86,12 +87,27 @@ def test_run_json_matches_mlx_lm_on_embedded_daemon(synth_model, prep_model, run
     assert not list(run_dir.rglob("*.sock"))
 
 
-def test_run_prints_text_and_summary(prep_model, run_dir):
-    r = run_cli(["--model", str(prep_model("qwen3_moe")), "--prompt", PROMPT, "--max-tokens", "8"])
+def test_run_prints_text_and_stats_in_mlx_lm_shape(prep_model, run_dir):
+    """mlx_lm.generate's block (text between '=' lines, prompt and generation
+    tokens-per-sec, peak memory), then the expert figures; --verbose False
+    prints the text only. mlx-lm's short flags: -p prompt, -m max tokens."""
+    prep = str(prep_model("qwen3_moe"))
+    r = run_cli(["--model", prep, "-p", PROMPT, "-m", "8"])
     assert r.returncode == 0, r.stderr
-    summary = r.stderr.strip().splitlines()[-1]
-    for word in ("prompt:", "tok/s", "decode:", "peak memory", "hits", "misses", "read"):
-        assert word in summary
+    lines = r.stdout.splitlines()
+    assert lines[0] == "==========" and lines.count("==========") == 2, r.stdout
+    tail = lines[lines.index("==========", 1) + 1:]
+    assert re.fullmatch(r"Prompt: \d+ tokens, [\d.]+ tokens-per-sec", tail[0]), tail
+    assert re.fullmatch(r"Generation: 8 tokens, [\d.]+ tokens-per-sec", tail[1]), tail
+    assert re.fullmatch(r"Peak memory: [\d.]+ GB", tail[2]), tail
+    assert re.fullmatch(r"Experts: \d+ hits, \d+ misses, .+ read, [\d.]+ s stalled; peak RSS [\d.]+ GB",
+                        tail[3]), tail
+    assert r.stderr == ""
+
+    quiet = run_cli(["--model", prep, "-p", PROMPT, "-m", "8", "--verbose", "False"])
+    assert quiet.returncode == 0, quiet.stderr
+    text = "\n".join(lines[1 : lines.index("==========", 1)])
+    assert quiet.stdout.rstrip("\n") == text.rstrip("\n")
 
 
 def test_python_api_works_with_mlx_lm_generate(synth_model, prep_model, run_dir):
@@ -193,3 +209,168 @@ def test_dropped_models_are_collected_without_hanging(prep_model, run_dir):
     r = subprocess.run([sys.executable, "-c", code, str(prep_model("qwen3_moe"))],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "collected" in r.stdout, r.stderr[-2000:]
+
+
+# --- mlx-lm's flags, bad input, interruption, the private daemon's start ---------------------
+
+
+def test_bad_values_are_one_line_exit_2_before_anything_loads(prep_model, tmp_path, monkeypatch, capsys):
+    import infer.client
+    from infer import run
+
+    def must_not_connect(*a, **kw):
+        raise AssertionError("a daemon was asked for before the arguments were checked")
+
+    monkeypatch.setattr(infer.client, "IodClient", must_not_connect)
+    prep = str(prep_model("qwen3_moe"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = [
+        (["--temp", "-1"], "--temp"), (["--temp", "nan"], "--temp"), (["--top-p", "7"], "--top-p"),
+        (["--max-tokens", "0"], "--max-tokens"), (["-m", "-5"], "--max-tokens"),
+        (["--min-p", "1.5"], "--min-p"), (["--top-k", "-1"], "--top-k"), (["--seed", "-1"], "--seed"),
+        (["--max-kv-size", "0"], "--max-kv-size"), (["--num-draft-tokens", "0"], "--num-draft"),
+        (["--dtype", "int8"], "--dtype"), (["--mem-budget", "lots"], "not a size"),
+        (["--profile", str(blocker / "sub")], "--profile"),
+        (["--draft", "ngram", "--max-kv-size", "64"], "--max-kv-size"),
+        (["--draft", "ngram", "--temp", "0.5"], "--temp 0"),
+    ]
+    for extra, word in cases:
+        try:
+            rc = run.main(["--model", prep, *extra])
+        except SystemExit as e:
+            rc = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith("infer run: "), (extra, rc, err)
+        assert word in err[0], (extra, err)
+
+
+def test_version(tmp_path):
+    for cmd in (["-m", "infer.cli", "--version"], ["-m", "infer.cli", "run", "--version"],
+                ["-m", "infer.cli", "serve", "--version"], ["-m", "iod.cli", "--version"]):
+        r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "iod-moe" in r.stdout, (cmd, r.stdout, r.stderr)
+
+
+def test_mlx_lm_sampling_flags_give_mlx_lm_samples(synth_model, prep_model, run_dir):
+    """--temp --top-p --top-k --min-p --seed --max-kv-size mean what they mean
+    in mlx_lm.generate: the sampled ids are mlx-lm's own."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    r = run_cli(["--model", str(prep), "-p", PROMPT, "-m", "24", "--temp", "0.8", "--top-p", "0.95",
+                 "--top-k", "20", "--min-p", "0.02", "--seed", "7", "--max-kv-size", "16",
+                 "--dtype", "float32", "--json"])
+    assert r.returncode == 0, r.stderr
+    model, tokenizer = mlx_load(str(src))
+    mx.random.seed(7)
+    sampler = make_sampler(0.8, 0.95, 0.02, top_k=20)
+    ref = [x.token for x in stream_generate(model, tokenizer, encode_prompt(tokenizer, PROMPT),
+                                            max_tokens=24, sampler=sampler, max_kv_size=16)]
+    assert json.loads(r.stdout)["tokens"] == ref[: len(json.loads(r.stdout)["tokens"])]
+    assert len(set(ref)) > 3  # sampled, not a constant
+
+
+def test_dtype_float32_equals_mlx_lm_converted_to_float32(synth_model, tmp_path, run_dir):
+    """A bfloat16 folder run with dtype float32 gives the ids of stock mlx-lm on
+    the same folder converted with `mlx_lm.convert --dtype float32`."""
+    import mlx.core as mx
+    from mlx_lm.convert import convert
+    from mlx_lm.generate import generate_step
+
+    from infer.client import IodClient
+    from infer.loader import load_streaming
+    from infer.prep import prep
+
+    src = synth_model("qwen3_moe", dtype="bfloat16", layers=2)
+    dst = tmp_path / "prep"
+    prep(src, dst, progress=False)
+    f32 = tmp_path / "f32"
+    convert(str(src), str(f32), dtype="float32")
+    ref_model, tokenizer = mlx_load(str(f32))
+    prompt = mx.array(encode_prompt(tokenizer, PROMPT))
+    expected = [int(t) for t, _ in generate_step(prompt, ref_model, max_tokens=16)]
+
+    source = IodClient(dst, iod="auto")
+    try:
+        model, _, store = load_streaming(dst, source, dtype=mx.float32)
+        assert [int(t) for t, _ in generate_step(prompt, model, max_tokens=16)] == expected
+        stack = next(iter(store.stacks.values()))
+        assert {a.dtype for a in stack.arrays.values()} == {mx.uint32, mx.float32}
+        assert model.model.embed_tokens.scales.dtype == mx.float32
+    finally:
+        source.close()
+
+
+def _daemons_under(folder):
+    """Pids of processes whose command line names ``folder`` (our private daemons)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                cmd = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if str(folder) in cmd and "iod.cli" in cmd:
+                out.append(int(p))
+    return out
+
+
+def test_ctrl_c_is_one_line_exit_130_and_leaves_no_daemon(prep_model, run_dir):
+    from tests.iod_fixtures import wait_for
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.cli", "run", "--model", str(prep_model("qwen3_moe")),
+         "-m", "100000", "--ignore-chat-template"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.read(16), proc.stderr.read()  # generating
+        daemons = _daemons_under(run_dir)
+        assert len(daemons) == 1
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole group
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert rc == 130, err
+    assert err.strip().splitlines() == ["infer run: interrupted"], err
+    wait_for(lambda: not _daemons_under(run_dir), what="the private daemon gone")
+    assert not shm_entries(daemons[0])
+    assert not [p for p in run_dir.iterdir() if p.is_dir()]  # its private folder too
+
+
+def _broken_iod_package(folder):
+    (folder / "iod").mkdir(parents=True)
+    (folder / "iod" / "__init__.py").write_text("raise ImportError('this iod package is broken on purpose')\n")
+    return folder
+
+
+def test_private_daemon_failure_reason_reaches_the_user(prep_model, run_dir, tmp_path):
+    broken = _broken_iod_package(tmp_path / "elsewhere")
+    r = run_cli(["--model", str(prep_model("qwen3_moe")), "-m", "2"],
+                env={"PYTHONPATH": str(broken)})
+    line = _one_line_exit_2(r)
+    assert "cannot start a private iod" in line and "broken on purpose" in line, line
+
+
+def test_private_daemon_start_does_not_depend_on_the_current_directory(prep_model, run_dir, tmp_path):
+    """`infer` run from a folder holding an unbuilt `iod` package (a source
+    checkout after a plain `pip install .`): its private daemon still starts."""
+    cwd = _broken_iod_package(tmp_path / "checkout")
+    infer_script = os.path.join(os.path.dirname(sys.executable), "infer")
+    r = subprocess.run([infer_script, "run", "--model", str(prep_model("qwen3_moe")), "-m", "2", "--json"],
+                       capture_output=True, text=True, cwd=cwd, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 2
+
+
+def test_help_shows_defaults():
+    from infer import prep, run, serve
+
+    assert "(default: 100)" in run.build_parser().format_help()
+    assert "(default: 8080)" in serve.build_parser().format_help()
+    assert "(default: 4)" in prep.build_parser().format_help()
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "verify", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "prep folder" in r.stdout

@@ -43,7 +43,8 @@ def live(prep_model):
     env = dict(os.environ, IOD_RUN_DIR=str(folder))
     daemon = LiveDaemon(folder, env=env)
     prep = prep_model("qwen3_moe")
-    proc, hostport = start_server(prep, daemon.socket, env)
+    # --dtype float32 on a float32 folder: the flag's path, same answers
+    proc, hostport = start_server(prep, daemon.socket, env, "--dtype", "float32")
     client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
                            max_retries=0)
     yield dict(daemon=daemon, proc=proc, hostport=hostport, client=client, prep=prep)
@@ -109,6 +110,21 @@ def test_model_by_folder_path_and_unknown_model(live, reference):
         c.completions.create(model="someone/else", prompt=PROMPT, max_tokens=2)
 
 
+def test_models_lists_the_served_folder_and_its_names_work(live, reference):
+    """The openai client's models.list / models.retrieve; the listed id, the
+    --model argument and the absolute path are accepted as request models."""
+    c = live["client"]
+    models = c.models.list()
+    name = live["prep"].resolve().name
+    assert [m.id for m in models.data] == [name]
+    assert c.models.retrieve(name).id == name
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("someone-else")
+    for model in (name, str(live["prep"].resolve())):
+        r = c.completions.create(model=model, prompt=PROMPT, max_tokens=N, temperature=0)
+        assert r.choices[0].text == reference["text"]
+
+
 def test_server_is_a_session_of_the_shared_daemon(live):
     st = daemon_stats(live["daemon"])
     mine = [s for s in st["sessions"] if s["pid"] == live["proc"].pid]
@@ -170,10 +186,15 @@ def test_two_servers_share_the_daemon_and_sigterm_ends_one_cleanly(live, referen
     assert r.choices[0].text
 
 
-def test_bad_folder_is_one_line_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "infer.cli", "serve", "--model", str(tmp_path),
-                        "--port", "0"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip().startswith("infer serve: "), r.stderr
+def test_bad_input_is_one_line_exit_2(tmp_path, prep_model):
+    prep = str(prep_model("qwen3_moe"))
+    for args in (["--model", str(tmp_path), "--port", "0"], ["--model", prep, "--port", "70000"],
+                 ["--model", prep, "--temp", "-1"], ["--model", prep, "--top-p", "7"],
+                 ["--model", prep, "--max-tokens", "0"], ["--model", prep, "--dtype", "int4"]):
+        r = subprocess.run([sys.executable, "-m", "infer.cli", "serve", *args],
+                           capture_output=True, text=True, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("infer serve: "), (args, r.stderr)
 
 
 def test_concurrent_requests_are_batched_and_exact(live, reference):

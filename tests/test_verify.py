@@ -1,4 +1,4 @@
-"""`infer verify`: flipped bits, swapped records and truncated blobs are all reported."""
+"""`infer verify`: flipped bits, swapped records and truncated blobs are all reported, one line per blob."""
 
 import os
 import shutil
@@ -41,7 +41,7 @@ def test_cli_subprocess(folder):
         f.write(bytes([b[0] ^ 0x01]))
     r = subprocess.run([sys.executable, "-m", "infer.cli", "verify", str(folder)], capture_output=True, text=True)
     assert r.returncode == 1
-    assert f"layer {layout.layer} expert 3: checksum mismatch" in r.stdout
+    assert f"layer {layout.layer} ({layout.file}): 1 of {layout.num_experts} records bad; checksum mismatch: expert 3" in r.stdout
 
 
 def test_flipped_bit(folder, capsys):
@@ -55,7 +55,8 @@ def test_flipped_bit(folder, capsys):
         f.write(bytes([b[0] ^ 0x80]))
     rc, lines = run(folder, capsys)
     assert rc == 1
-    assert lines[:-1] == [f"layer {layout.layer} expert 7: checksum mismatch"]
+    assert lines[:-1] == [f"layer {layout.layer} ({layout.file}): 1 of {layout.num_experts} records bad; "
+                          "checksum mismatch: expert 7"]
     assert "1 bad" in lines[-1]
 
 
@@ -70,10 +71,8 @@ def test_swapped_records(folder, capsys):
         os.pwrite(f.fileno(), a, 5 * layout.stride)
     rc, lines = run(folder, capsys)
     assert rc == 1
-    assert lines[:-1] == [
-        f"layer {layout.layer} expert 2: checksum mismatch",
-        f"layer {layout.layer} expert 5: checksum mismatch",
-    ]
+    assert lines[:-1] == [f"layer {layout.layer} ({layout.file}): 2 of {layout.num_experts} records bad; "
+                          "checksum mismatch: experts 2, 5"]
 
 
 def test_truncated_blob(folder, capsys):
@@ -83,10 +82,9 @@ def test_truncated_blob(folder, capsys):
     os.truncate(path, (n - 2) * layout.stride + 100)  # mid-record n-2
     rc, lines = run(folder, capsys)
     assert rc == 1
-    assert lines[:-1] == [
-        f"layer {layout.layer} expert {n - 2}: short record (100 of {layout.record_bytes} bytes)",
-        f"layer {layout.layer} expert {n - 1}: short record (0 of {layout.record_bytes} bytes)",
-    ]
+    size = (n - 2) * layout.stride + 100
+    assert lines[:-1] == [f"layer {layout.layer} ({layout.file}): 2 of {n} records bad; short record "
+                          f"(the blob has {size} of {n * layout.stride} bytes): experts {n - 2}-{n - 1}"]
 
 
 def test_truncated_padding_is_short(folder, capsys):
@@ -95,7 +93,8 @@ def test_truncated_padding_is_short(folder, capsys):
     os.truncate(folder / layout.file, (n - 1) * layout.stride + layout.record_bytes)
     rc, lines = run(folder, capsys)
     assert rc == 1
-    assert lines[0].startswith(f"layer {layout.layer} expert {n - 1}: short record")
+    assert lines[0].startswith(f"layer {layout.layer} ({layout.file}): 1 of {n} records bad; short record")
+    assert lines[0].endswith(f": expert {n - 1}")
 
 
 def test_missing_blob(folder, capsys):
@@ -103,8 +102,11 @@ def test_missing_blob(folder, capsys):
     (folder / layout.file).unlink()
     rc, lines = run(folder, capsys)
     assert rc == 1
-    assert len(lines) == layout.num_experts + 1
-    assert lines[0].startswith(f"layer {layout.layer} expert 0: cannot open")
+    # one line for the blob, not one per expert
+    assert len(lines) == 2
+    assert lines[0].startswith(f"layer {layout.layer} ({layout.file}): {layout.num_experts} of "
+                               f"{layout.num_experts} records bad; cannot open")
+    assert lines[0].endswith(": all records")
 
 
 def test_not_a_prep_folder(tmp_path, synth_model, capsys):

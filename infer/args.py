@@ -1,0 +1,102 @@
+"""Argument parsing shared by the `infer` commands: one-line errors, checked
+values, defaults in --help, --version."""
+
+import argparse
+import math
+import sys
+
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_HELP = ("cast the weights (experts included) to this dtype; default: the folder's. "
+              "On a CPU without fast bfloat16 (x86) use float32")
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` where there is a default to show."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS \
+                or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with mlx-lm's plainness: a bad argument is one line on stderr
+    and exit status 2; --help shows every default."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*a, **kw)
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: {message}\n")
+        sys.exit(2)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as v
+
+    def get(name):
+        try:
+            return v(name)
+        except PackageNotFoundError:
+            return "unknown"
+
+    return f"iod-moe {get('iod-moe')} (mlx {get('mlx')}, mlx-lm {get('mlx-lm')})"
+
+
+def add_version(p):
+    p.add_argument("--version", action="version", version=f"%(prog)s: {version()}")
+
+
+def _number(kind, lo=None, hi=None, lo_open=False, what=None):
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what or ('an integer' if kind is int else 'a number')}: {text!r}")
+        if kind is float and not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+        if lo is not None and (x < lo or (lo_open and x == lo)):
+            raise argparse.ArgumentTypeError(f"must be {'>' if lo_open else '>='} {lo} (got {text})")
+        if hi is not None and x > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi} (got {text})")
+        return x
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, 1)
+nonneg_int = _number(int, 0)
+nonneg_float = _number(float, 0.0)
+unit_float = _number(float, 0.0, 1.0)
+seed_int = _number(int, 0, (1 << 64) - 1)
+port_int = _number(int, 0, 65535)
+
+
+def str2bool(text):
+    """mlx-lm's --verbose: anything but false/f is true."""
+    return str(text).lower() not in ("false", "f", "0", "no")
+
+
+def add_sampling(p, max_tokens=100, serve=False):
+    """mlx-lm's generation flags, with its names and short forms."""
+    what = "default per request: " if serve else ""
+    names = ["--max-tokens"] if serve else ["--max-tokens", "-m"]  # as mlx_lm.server / generate
+    p.add_argument(*names, type=positive_int, default=max_tokens, help=f"{what}tokens to generate at most")
+    p.add_argument("--temp", type=nonneg_float, default=0.0, help=f"{what}sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=unit_float, default=1.0, help=f"{what}nucleus sampling (1: off)")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help=f"{what}sample from the k likeliest (0: off)")
+    p.add_argument("--min-p", type=unit_float, default=0.0, help=f"{what}min-p sampling (0: off)")
+
+
+def add_dtype(p):
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
+
+
+def mx_dtype(name):
+    import mlx.core as mx
+
+    return None if name is None else getattr(mx, name)
