@@ -73,7 +73,7 @@ class IodClient(ExpertSource):
     """
 
     def __init__(self, model_dir, iod="auto", timeout=10.0, progress_timeout=120.0,
-                 profile=False, arena="512M", workers=4, working_set=1):
+                 profile=False, arena="512M", workers=0, working_set=1):
         self.model_dir = Path(model_dir).resolve()
         try:
             # the identity of what this session loaded: a daemon serving

@@ -11,7 +11,7 @@ from pathlib import Path
 from shared import paths, trust
 from shared.launch import lock_holder, spawn
 
-from . import runtime
+from . import doctor, runtime
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 KILL_WAIT_S = 5.0  # after SIGKILL: the kernel ends even a stopped process at once
@@ -54,7 +54,9 @@ def _parser():
                          f"free space; committed at start")
     st.add_argument("--slot-size", type=parse_size, default=0,
                     help="slot size (0: the first model's largest record stride)")
-    st.add_argument("--workers", type=int, default=4, help="reader threads")
+    st.add_argument("--workers", type=int, default=0,
+                    help="reader threads (0: the depth `iod doctor` found reaches the disk's "
+                         "ceiling, else 4)")
     st.add_argument("--hashers", type=int, default=2,
                     help="checksum threads, so readers go straight to the next read "
                          "(0: each reader checks its own reads)")
@@ -72,6 +74,7 @@ def _parser():
                     help="log file of a detached daemon (none given: iod.log beside the socket)")
     st.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     st.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
+    doctor.add_parser(sub, fmt)
     stop = sub.add_parser("stop", help="stop the daemon: SIGTERM, then SIGKILL after --grace",
                           formatter_class=fmt)
     stop.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
@@ -87,7 +90,7 @@ def _parser():
 
 def main(argv=None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    sock = Path(args.socket).absolute()
+    sock = Path(getattr(args, "socket", None) or paths.socket_path()).absolute()
     if args.cmd == "start":
         problem = runtime.arena_size_problem(args.arena)
         if problem:  # a usage error: refused before anything is made
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
         return start_foreground(args, sock) if args.foreground else start_detached(args, sock)
     if args.cmd == "stop":
         return stop(sock, args.grace)
+    if args.cmd == "doctor":
+        return doctor.main(args)
     return status(sock, args.timeout, args.json)
 
 
@@ -127,8 +132,11 @@ def start_foreground(args, sock: Path) -> int:
         swept = runtime.sweep_stale(folder, sock, native.shm_unlink)
         if swept:
             print(f"iod: removed stale shared memory {', '.join(swept)}", file=sys.stderr)
+        from shared import disk
+
         cfg = Config(arena_size=args.arena, slot_size=args.slot_size,
-                     workers=max(args.workers, 1), max_sessions=args.max_sessions,
+                     workers=args.workers if args.workers > 0 else disk.workers(),
+                     max_sessions=args.max_sessions,
                      max_queued=args.max_queued)
         daemon = Shell(cfg, sock, hashers=max(args.hashers, 0), read_rate=args.read_rate * 1e6,
                        faults=os.environ.get("IOD_FAULTS", ""), prefault=not args.no_prefault,

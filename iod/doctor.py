@@ -1,0 +1,227 @@
+"""`iod doctor`: measure this machine's disk the way iod reads it.
+
+Cold random reads of one record each, bypassing the page cache (O_DIRECT,
+F_NOCACHE on macOS), from ``depth`` threads at once, for queue depths 1 to
+32: the curve of bytes/s and latency against depth. It is printed, plotted
+(``--plot``) and stored (``shared.disk.profile_path()``), where the daemon
+finds it (its reader threads: the depth that reaches the ceiling) and so do
+sessions (the rate their prefetch plans with).
+
+The records read are a prep folder's (``--model``), or those of a scratch
+file written in ``--dir`` and removed after.
+"""
+
+import json
+import mmap
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from shared import disk
+
+DEPTHS = (1, 2, 4, 8, 16, 32)
+
+
+def add_parser(sub, fmt):
+    d = sub.add_parser("doctor", help="measure the disk as iod reads it (rate against queue depth)",
+                       formatter_class=fmt, description=__doc__.split("\n\n")[0])
+    where = d.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", type=Path, help="a prep folder: read its expert records")
+    where.add_argument("--dir", type=Path, help="write a scratch file here and read it")
+    d.add_argument("--record-size", type=int, default=0,
+                   help="bytes per read (0: the model's record stride; 2654208 with --dir)")
+    d.add_argument("--scratch", type=int, default=2 << 30,
+                   help="bytes of the scratch file (--dir), larger than the device's cache")
+    d.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="queue depths to measure")
+    d.add_argument("--seconds", type=float, default=2.0, help="per depth and round")
+    d.add_argument("--rounds", type=int, default=3,
+                   help="passes over the depths, interleaved; the median of each depth is kept")
+    d.add_argument("--json", action="store_true", help="print the profile as JSON")
+    d.add_argument("--plot", type=Path, help="write the curve as a PNG")
+    d.add_argument("--no-save", action="store_true", help="do not store the profile")
+    return d
+
+
+class _Records:
+    """Where one record lies: (fd, offset) of each, in a random order that
+    each depth continues, so no record is read twice while others are unread."""
+
+    def __init__(self, files, mode, seed=0):
+        self.fds = files
+        self.mode = mode
+        self.order = []
+        for i, (_, count, stride) in enumerate(files):
+            self.order += [(i, k * stride) for k in range(count)]
+        random.Random(seed).shuffle(self.order)
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def take(self):
+        with self.lock:
+            i, off = self.order[self.next % len(self.order)]
+            self.next += 1
+        return self.fds[i][0], off
+
+
+def _model_files(folder, record_size):
+    from shared.blob import Manifest, ManifestError
+
+    from .reader import open_blob
+
+    try:
+        manifest = Manifest.load(folder)
+    except ManifestError as e:
+        raise SystemExit(f"iod doctor: {e}")
+    files, mode = [], ""
+    for layout in manifest.layers:
+        try:
+            fd, mode = open_blob(folder, layout)
+        except (ManifestError, OSError) as e:
+            raise SystemExit(f"iod doctor: {e}")
+        files.append((fd, layout.num_experts, layout.stride))
+    size = record_size or manifest.max_stride
+    first = folder / manifest.layers[0].file
+    return files, mode, size, first
+
+
+def _scratch_file(folder, nbytes, record_size):
+    """A file of random bytes (written once, synced) to read back cold."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".iod-doctor-", dir=folder)
+    block = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
+    written = 0
+    while written < nbytes:
+        written += os.write(fd, block[: min(len(block), nbytes - written)])
+    os.fsync(fd)
+    os.close(fd)
+    return Path(name)
+
+
+def measure(records: _Records, size: int, depth: int, seconds: float):
+    """(bytes/s, p50 s, p99 s) of ``depth`` threads reading records for ``seconds``."""
+    import numpy as np
+
+    import native
+    from shared.blob import round_up
+
+    stop = time.monotonic() + seconds
+    lat = [[] for _ in range(depth)]
+    got = [0] * depth
+
+    def run(i):
+        buf = mmap.mmap(-1, round_up(size, 4096))  # page-aligned, as O_DIRECT wants
+        try:
+            while time.monotonic() < stop:
+                fd, off = records.take()
+                t = time.perf_counter()
+                n = native.pread_full(fd, buf, 0, size, off)
+                lat[i].append(time.perf_counter() - t)
+                got[i] += n
+                if records.mode == "fadvise":
+                    os.posix_fadvise(fd, off, size, os.POSIX_FADV_DONTNEED)
+        finally:
+            buf.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(depth)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    all_lat = np.array([x for l in lat for x in l]) if any(lat) else np.zeros(1)
+    return sum(got) / wall, float(np.percentile(all_lat, 50)), float(np.percentile(all_lat, 99))
+
+
+def plot(profile: disk.Profile, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depth = [c[0] for c in profile.curve]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
+    a.plot(depth, [c[1] / 1e6 for c in profile.curve], "o-")
+    a.axvline(profile.knee, ls="--", c="gray", label=f"knee: depth {profile.knee}")
+    a.set_xscale("log", base=2)
+    a.set_xlabel("reads in flight")
+    a.set_ylabel("MB/s")
+    a.set_title(f"cold {profile.record_bytes / 1e6:.2f} MB reads ({profile.mode})")
+    a.legend()
+    b.plot(depth, [c[2] * 1e3 for c in profile.curve], "o-", label="p50")
+    b.plot(depth, [c[3] * 1e3 for c in profile.curve], "o-", label="p99")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("reads in flight")
+    b.set_ylabel("latency per read (ms)")
+    b.legend()
+    for ax in (a, b):
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    from shared.blob import plan_layer, round_up
+
+    from .reader import open_blob
+
+    try:
+        depths = sorted({int(x) for x in args.depths.split(",") if x})
+    except ValueError:
+        depths = []
+    if not depths or depths[0] < 1 or depths[-1] > 256 or args.seconds <= 0 or args.rounds < 1:
+        print("iod doctor: --depths takes integers from 1 to 256, --seconds a positive number, "
+              "--rounds a positive integer", file=sys.stderr)
+        return 2
+    scratch = None
+    if args.model is not None:
+        files, mode, size, first = _model_files(args.model, args.record_size)
+    else:
+        size = args.record_size or 2654208
+        if args.scratch < 4 * size:
+            print("iod doctor: --scratch must hold at least 4 records", file=sys.stderr)
+            return 2
+        scratch = first = _scratch_file(args.dir, args.scratch, size)
+        n = args.scratch // round_up(size, 4096)
+        layout = plan_layer(0, "scratch", [("scratch", "weight", "uint8", [size], 1, n)])
+        layout.file, layout.checksums = scratch.name, ["0" * 16] * n  # read, never checked
+        fd, mode = open_blob(args.dir, layout)
+        files = [(fd, n, layout.stride)]
+    try:
+        records = _Records(files, mode)
+        runs = {d: [] for d in depths}
+        for _ in range(max(args.rounds, 1)):  # interleaved: load drift hits every depth alike
+            for d in depths:
+                runs[d].append(measure(records, size, d, args.seconds))
+        curve = []
+        for d in depths:
+            rate, p50, p99 = sorted(runs[d])[len(runs[d]) // 2]  # the median-rate round
+            curve.append((d, rate, p50, p99))
+            spread = "/".join(f"{r / 1e6:.0f}" for r, _, _ in runs[d])
+            print(f"depth {d:3d}: {rate / 1e6:8.1f} MB/s ({spread})   p50 {p50 * 1e3:7.2f} ms   "
+                  f"p99 {p99 * 1e3:7.2f} ms", file=sys.stderr)
+    finally:
+        for fd, *_ in files:
+            os.close(fd)
+        if scratch is not None:
+            scratch.unlink()
+    profile = disk.Profile(os.stat(first.parent).st_dev, str(first.parent), size, mode,
+                           tuple(curve))
+    print(f"ceiling {profile.ceiling / 1e6:.0f} MB/s, reached (≥{disk.KNEE:.0%}) at depth "
+          f"{profile.knee}; reads bypass the page cache ({mode})", file=sys.stderr)
+    if args.plot:
+        plot(profile, args.plot)
+    if not args.no_save:
+        where = disk.save(profile)
+        print(f"stored in {where}: iod reads with {disk.workers()} threads from its next start",
+              file=sys.stderr)
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+    return 0
