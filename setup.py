@@ -3,7 +3,7 @@ import sys
 from setuptools import Extension, setup
 
 # shm_open lives in librt on older glibc; macOS has it in libc.
-libraries = ["rt"] if sys.platform.startswith("linux") else []
+libraries = ["rt", "dl"] if sys.platform.startswith("linux") else []
 
 setup(
     ext_modules=[

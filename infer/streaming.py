@@ -50,12 +50,25 @@ def _dtype(segment, cast=None):
     return cast if cast is not None and mx.issubdtype(dtype, mx.floating) else dtype
 
 
-def writes_in_place() -> bool:
-    """Whether records can be copied straight into MLX arrays' memory: on the
-    CPU and on Apple silicon an array's buffer is host memory. A CUDA GPU's
-    is not, so there records go through one host-to-device transfer per
-    tensor and a scatter into the stack."""
-    return mx.default_device() == mx.cpu or mx.metal.is_available()
+def copy_mode() -> str:
+    """How records reach MLX arrays: "host" on the CPU and Apple silicon,
+    where an array's buffer is host memory and records are copied into it in
+    place; "cuda" on a CUDA GPU, where they go by cudaMemcpy from the pinned
+    arena into the arrays' device memory; else "staged" (a host array, one
+    transfer and a scatter per tensor)."""
+    if mx.default_device() == mx.cpu or mx.metal.is_available():
+        return "host"
+    return "cuda" if native.cuda_available() else "staged"
+
+
+_pinned = {}  # address of a mapping -> its length: registered for CUDA copies
+
+
+def _pin_for_cuda(buf):
+    """Register the arena's mapping as pinned memory once (DMA at full speed)."""
+    addr = native.address(buf)
+    if addr not in _pinned:
+        _pinned[addr] = len(buf) if native.cuda_register(buf, True) else 0
 
 
 class LayerStack:
@@ -82,10 +95,15 @@ class LayerStack:
             a = mx.zeros((max(capacity, 1), *s.shape), _dtype(s, cast))
             self.arrays[(s.projection, s.tensor)] = a
         mx.eval(list(self.arrays.values()))
-        # tensors whose records are copied straight into the arrays' memory:
-        # host memory, and no cast on the way
-        self.in_place = [writes_in_place() and _dtype(s, cast) == _MX_DTYPES[s.dtype]
+        # tensors whose records are copied straight into the arrays' memory
+        # (host, or device by cudaMemcpy), when no cast is needed on the way
+        self.mode = copy_mode()
+        self.in_place = [self.mode != "staged" and _dtype(s, cast) == _MX_DTYPES[s.dtype]
                          for s in layout.segments]
+        # the arrays' addresses: valid while the stack holds them (it never
+        # replaces an array it writes in place)
+        self._addr = [native.address(a) for a in self.arrays.values()] \
+            if self.mode == "cuda" else None
         self.position = OrderedDict()  # expert -> position, least recent first
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -144,7 +162,15 @@ class LayerStack:
         transfer (and cast) and one scatter per other tensor."""
         keys = list(self.arrays)
         direct = [i for i, ok in enumerate(self.in_place) if ok]
-        if direct:
+        if direct and self.mode == "cuda":
+            _pin_for_cuda(batch.buf)
+            rows = []
+            for ti in direct:
+                s = self.layout.segments[ti]
+                for src, pos in zip(batch.offsets.tolist(), positions):
+                    rows.append((self._addr[ti] + pos * s.nbytes, src + s.offset, s.nbytes))
+            native.cuda_copy(batch.buf, np.array(rows, dtype=np.int64))
+        elif direct:
             rows = []
             for ti in direct:
                 s = self.layout.segments[ti]

@@ -3,7 +3,12 @@ records, batched copies and GIL-free preads."""
 
 from ._iodnative import (  # noqa: F401
     add_u32,
+    address,
     copy_regions,
+    cuda_available,
+    cuda_copy,
+    cuda_register,
+    cuda_unregister,
     load_u32,
     load_u64,
     pin_ready,

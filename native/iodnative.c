@@ -3,6 +3,7 @@
  * that run without the GIL. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
@@ -277,6 +278,107 @@ static PyObject *pread_full(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(done);
 }
 
+/* CUDA, loaded at run time (nothing links against it): records go from the
+ * arena, registered once as pinned host memory, straight into MLX's device
+ * arrays with cudaMemcpy (DMA, ~50 GB/s measured on the lent H200, against
+ * ~1 GB/s for mx.array + scatter through managed memory). */
+typedef int (*memcpy_fn)(void *, const void *, size_t, int);
+typedef int (*register_fn)(void *, size_t, unsigned int);
+typedef int (*unregister_fn)(void *);
+static memcpy_fn cuda_memcpy;
+static register_fn cuda_host_register;
+static unregister_fn cuda_host_unregister;
+static int cuda_state; /* 0 not tried, 1 loaded, -1 absent */
+
+static int cuda_load(void) {
+    if (cuda_state) return cuda_state > 0;
+    const char *names[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", NULL};
+    void *h = NULL;
+    for (int i = 0; names[i] && !h; i++) h = dlopen(names[i], RTLD_NOW | RTLD_GLOBAL);
+    if (h) {
+        cuda_memcpy = (memcpy_fn)dlsym(h, "cudaMemcpy");
+        cuda_host_register = (register_fn)dlsym(h, "cudaHostRegister");
+        cuda_host_unregister = (unregister_fn)dlsym(h, "cudaHostUnregister");
+    }
+    cuda_state = (cuda_memcpy && cuda_host_register && cuda_host_unregister) ? 1 : -1;
+    return cuda_state > 0;
+}
+
+/* cuda_available() -> bool */
+static PyObject *cuda_available(PyObject *self, PyObject *args) {
+    return PyBool_FromLong(cuda_load());
+}
+
+/* cuda_register(buffer, read_only) -> bool: pin a mapping for fast copies. */
+static PyObject *cuda_register(PyObject *self, PyObject *args) {
+    PyObject *obj; int ro; Py_buffer v;
+    if (!PyArg_ParseTuple(args, "Op", &obj, &ro)) return NULL;
+    if (!cuda_load()) Py_RETURN_FALSE;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_SIMPLE) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = cuda_host_register(v.buf, (size_t)v.len, ro ? 8u /* cudaHostRegisterReadOnly */ : 0u);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v);
+    return PyBool_FromLong(rc == 0);
+}
+
+/* cuda_unregister(buffer) */
+static PyObject *cuda_unregister(PyObject *self, PyObject *args) {
+    PyObject *obj; Py_buffer v;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    if (!cuda_load()) Py_RETURN_NONE;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_SIMPLE) < 0) return NULL;
+    cuda_host_unregister(v.buf);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+/* cuda_copy(src, plan) -> bytes copied. plan: int64 rows of (destination
+ * address, source offset in src, nbytes); destinations are device (or
+ * managed) addresses the caller took from its MLX arrays. */
+static PyObject *cuda_copy(PyObject *self, PyObject *args) {
+    PyObject *src_o, *plan_o; Py_buffer src, plan;
+    if (!PyArg_ParseTuple(args, "OO", &src_o, &plan_o)) return NULL;
+    if (!cuda_load()) {
+        PyErr_SetString(PyExc_RuntimeError, "cuda_copy: no CUDA runtime");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(plan_o, &plan, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&src); return NULL; }
+    const int64_t *row = (const int64_t *)plan.buf;
+    Py_ssize_t rows = plan.len / 24, total = 0;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        int64_t soff = row[3 * i + 1], n = row[3 * i + 2];
+        if (row[3 * i] == 0 || soff < 0 || n < 0 || soff + n > src.len) {
+            PyBuffer_Release(&plan); PyBuffer_Release(&src);
+            PyErr_SetString(PyExc_ValueError, "cuda_copy: region out of range");
+            return NULL;
+        }
+    }
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < rows && rc == 0; i++) {
+        rc = cuda_memcpy((void *)(intptr_t)row[3 * i], (const char *)src.buf + row[3 * i + 1],
+                         (size_t)row[3 * i + 2], 4 /* cudaMemcpyDefault */);
+        total += row[3 * i + 2];
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&plan); PyBuffer_Release(&src);
+    if (rc) return PyErr_Format(PyExc_RuntimeError, "cudaMemcpy failed (error %d)", rc);
+    return PyLong_FromSsize_t(total);
+}
+
+/* address(buffer) -> the address of its first byte (for cuda_copy plans). */
+static PyObject *address(PyObject *self, PyObject *args) {
+    PyObject *obj; Py_buffer v;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_SIMPLE) < 0) return NULL;
+    intptr_t a = (intptr_t)v.buf;
+    PyBuffer_Release(&v);
+    return PyLong_FromSsize_t((Py_ssize_t)a);
+}
+
 /* shm_create(name, size) -> fd: a new segment, mode 0600, failing if it
  * exists (O_EXCL: a name someone else made is never adopted). On Linux its
  * pages are committed with posix_fallocate, so a segment /dev/shm or the
@@ -356,6 +458,11 @@ static PyMethodDef methods[] = {
     {"unpin", unpin, METH_VARARGS, "Drop one pin per slot of a session's row."},
     {"pinned", pinned, METH_VARARGS, "A slot's pins summed over every row."},
     {"copy_regions", copy_regions, METH_VARARGS, "memcpy a plan of regions without the GIL."},
+    {"cuda_available", cuda_available, METH_NOARGS, "Whether a CUDA runtime can be loaded."},
+    {"cuda_register", cuda_register, METH_VARARGS, "Pin a host mapping for DMA (CUDA)."},
+    {"cuda_unregister", cuda_unregister, METH_VARARGS, "Unpin a host mapping (CUDA)."},
+    {"cuda_copy", cuda_copy, METH_VARARGS, "cudaMemcpy a plan of regions without the GIL."},
+    {"address", address, METH_VARARGS, "The address of a buffer's first byte."},
     {"pread_full", pread_full, METH_VARARGS, "pread into a buffer without the GIL."},
     {"shm_create", shm_create, METH_VARARGS, "Create a 0600 POSIX shm segment."},
     {"shm_open_readonly", shm_open_readonly, METH_VARARGS, "Open a shm segment read-only."},

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]
+# Results go to $OUT (the device tool's folder that comes back).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=/tmp/site:$PWD MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/ptx} PYTHONUNBUFFERED=1
+export IOD_DISK_PROFILE=${IOD_DISK_PROFILE:-/root/disk.json}
+W=${W:-/root/w}
+RUN=${RUN:-/root/iodrun}
+export IOD_RUN_DIR=$RUN
+mkdir -p "$W" "$OUT" "$RUN" && chmod 700 "$RUN"
+infer() { python3 -m infer.cli "$@"; }
+iod() { python3 -m iod.cli "$@"; }
+log() { echo "== $(date +%T) $*"; }
+
+case "$1" in
+setup)
+  bash scripts/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt" ;;
+q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm kernels
+  log synth; time infer synth --arch qwen3_moe --preset "${PRESET:-qwen3-30b-a3b}" --dtype "${DTYPE:-bfloat16}" --out "$W/q30-src" --force | tail -2
+  log prep; time infer prep --model "$W/q30-src" --out "$W/q30" --force | tail -2
+  rm -rf "$W/q30-src"
+  log doctor; iod doctor --model "$W/q30" --seconds 1 --rounds 2 --plot "$OUT/doctor.png" --json > "$OUT/doctor.json"
+  log dd; for f in "$W"/q30/layer010.blob "$W"/q30/layer030.blob; do dd if="$f" of=/dev/null bs=3M iflag=direct 2>&1 | tail -1; done | tee "$OUT/dd.txt"
+  log warm; time infer run --model "$W/q30" --max-tokens 4 --prompt "Hello" 2>&1 | tail -3
+  ;;
+bench14)  # issue 14: resident, sync and iod at each budget (one run each, interleaved)
+  shift
+  budgets=${*:-0.25 1.0 0.1 0.5}
+  for b in $budgets; do
+    log "bench $b"
+    timeout 170 python3 -m infer.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
+      --modes ${MODES:-resident,sync,iod} --json "$OUT/bench14-$b.json" 2>&1 | tail -8
+  done ;;
+esac
