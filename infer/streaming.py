@@ -377,6 +377,26 @@ class ExpertStore:
         where = {e: i for i, e in enumerate(order)}
         return arrays, [where[e] for e in wanted]
 
+    def preload(self, order=None):
+        """Fill each layer's stack before the first token: ``order`` maps a
+        layer to its experts, most wanted first (a calibration's counts);
+        without it, every expert in index order. Returns the experts loaded."""
+        n = 0
+        for layer, layout in self.layouts.items():
+            stack = self.stack(layer)
+            if stack.capacity <= 0:
+                continue
+            ranked = list(order.get(layer, ())) if order else list(range(layout.num_experts))
+            want = [e for e in ranked if e not in stack][: stack.capacity - len(stack.position)]
+            if not want:
+                continue
+            places = {e: stack.place(e, set(want)) for e in want}
+            want = [e for e in want if places[e] is not None]
+            self._fetch(layer, want, lambda batch: stack.copy_in(
+                batch, [places[e] for e in batch.experts]))
+            n += len(want)
+        return n
+
     def _call(self, name, *args):
         """A source call that survives the death of an embedded daemon: with
         ``iod="auto"`` the client starts or attaches a fresh one; the experts

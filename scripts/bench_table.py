@@ -31,7 +31,7 @@ def main(path):
         disk = mb(m["disk_bytes_read"]) if "disk_bytes_read" in m else "-"
         print(f"| {name} | {m['decode_tok_s']:.2f} | {' / '.join(f'{x:.2f}' for x in runs)} "
               f"| ±{spread / 2:.0%} | {m['prefill_tok_s']:.1f} | {m['stall_fraction']:.2f} "
-              f"| {m['hit_rate']:.3f} | {m['misses']} | {bel} | {ratio} "
+              f"| {m['hit_rate']:.3f} | {m['misses']} | {bel if bel is not None else '-'} | {ratio} "
               f"| {m['bytes_read_per_token'] / 1e6:.1f} | {disk} | {rec} | {pre} "
               f"| {mb(m['peak_rss_infer'])} | {mb(m['peak_rss_iod']) if m['peak_rss_iod'] else '-'} |")
     print(f"\ntokens equal across modes: {r.get('tokens_equal')}; budget {r['budget_bytes'] / 2**20:.0f} MiB "

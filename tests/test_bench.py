@@ -130,3 +130,23 @@ def test_the_store_misses_what_its_simulated_policy_misses(prep_model, fraction)
     assert LayerStack.HALF_LIFE == 16.0
     assert store.stats["misses"] == simulate(store.trace, cap, "decay16")
     assert belady_misses(store.trace, cap) <= store.stats["misses"]
+
+
+def test_warm_bench_fills_the_cache_and_runs_resident_speed_layers(prep_model, tmp_path):
+    """--warm: a budget that holds every expert is filled before timing, so
+    the timed run reads nothing and every layer runs as a resident one."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "warm.json"
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model",
+                        str(prep_model("qwen3_moe")), "--budget", "1.0", "--runs", "1",
+                        "--max-tokens", "8", "--warm", "--modes", "resident,iod",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    iod = rep["modes"]["iod"]
+    assert rep["tokens_equal"] and iod["misses"] == 0 and iod["hit_rate"] == 1.0
+    assert iod["bytes_read_per_token"] == 0 and iod["belady_misses"] is None
+    assert iod["trace_calls"] == 0  # no layer synced to look at its routing
