@@ -29,7 +29,7 @@ from shared.blob import Manifest, ManifestError
 from shared.launch import pid_alive
 
 from . import reader as reader_mod
-from .sched import PREFETCH, Scheduler
+from .sched import DEMAND, PREFETCH, Scheduler
 from .stats import Latency
 
 E = P.ErrorCode
@@ -145,6 +145,7 @@ class Core:
         self.sessions = {}  # id -> Session
         self.by_ident = {}
         self.inflight = 0
+        self.prefetching = 0  # of those, reads started as prefetches
         self.blocked = False  # a read waits for a slot: retry soon
         self.next_sid = 1
         self.next_mid = 1
@@ -443,7 +444,9 @@ class Core:
         """Start queued reads while workers and slots are free."""
         self.blocked = False
         while self.inflight < 2 * self.cfg.workers and not self.stopping:
-            nxt = self.sched.next()
+            # prefetches fill at most half the reads in flight, so a demand that
+            # comes finds a free reader as soon as one read ends
+            nxt = self.sched.next(None if self.prefetching < self.cfg.workers else DEMAND)
             if nxt is None:
                 return
             sid, r = nxt
@@ -456,6 +459,8 @@ class Core:
             r.slot = slot
             if r.cls == PREFETCH:
                 self.c["prefetch_reads"] += 1
+                self.prefetching += 1
+                r.prefetch_started = True
             self._submit(r)
 
     def _submit(self, r):
@@ -473,6 +478,9 @@ class Core:
         """A read the reader finished (or failed)."""
         r = self.sched.reads.get(job.key)
         self.inflight -= 1
+        if r is not None and r.prefetch_started and r.job is job:
+            r.prefetch_started = False
+            self.prefetching -= 1
         if self.inflight == 0:
             self.busy_ns += self.clock() - self.busy_since
         if r is None or r.job is not job:

@@ -21,7 +21,7 @@ class Read:
     """The one read of a record, and who waits for it."""
 
     __slots__ = ("key", "model", "layout", "cls", "state", "slot", "queued", "waiters",
-                 "prefetchers", "retried", "job")
+                 "prefetchers", "retried", "job", "prefetch_started")
 
     def __init__(self, key, model, layout, cls, queued_ns):
         self.key = key
@@ -35,6 +35,7 @@ class Read:
         self.prefetchers = {}  # session id -> call number the record is due at
         self.retried = False
         self.job = None
+        self.prefetch_started = False  # counted among the core's prefetch reads in flight
 
     def wanted(self) -> bool:
         return bool(self.prefetchers) or any(not w.failed for w in self.waiters)

@@ -119,13 +119,13 @@ def folder(tmp_path):
 
 
 def test_demand_goes_before_queued_prefetch(folder):
-    h = Harness(folder, workers=1)  # two reads in flight at most
+    h = Harness(folder, workers=1)  # two reads in flight, at most one a prefetch
     a, b = h.hello(b"a"), h.hello(b"b")
     h.prefetch(b"a", a.model_id, 0, list(range(6)))
-    assert [h.reader.cls(j) for j in h.reader.jobs] == [PREFETCH, PREFETCH]
-    rid = h.demand(b"b", b.model_id, 1, [3])
-    h.finish()  # a prefetch ends: the demand, not the next prefetch, takes its place
-    assert h.reader.jobs[-1].key == (b.model_id, 1, 3) and h.reader.cls(h.reader.jobs[-1]) == DEMAND
+    assert [h.reader.cls(j) for j in h.reader.jobs] == [PREFETCH]
+    rid = h.demand(b"b", b.model_id, 1, [3])  # starts at once, ahead of five queued prefetches
+    assert [h.reader.cls(j) for j in h.reader.jobs] == [PREFETCH, DEMAND]
+    assert h.reader.jobs[-1].key == (b.model_id, 1, 3)
     h.finish((b.model_id, 1, 3))
     ok = h.reply(b"b", rid)
     assert [r.expert for r in ok.refs] == [3]
@@ -151,9 +151,8 @@ def test_demand_promotes_a_queued_prefetch_and_reads_once(folder):
     h = Harness(folder, workers=1)
     a, b = h.hello(b"a"), h.hello(b"b")
     h.prefetch(b"a", a.model_id, 0, [0, 1, 2, 3, 4])
-    rid = h.demand(b"b", b.model_id, 0, [4])  # queued behind 2, 3 as a prefetch
+    rid = h.demand(b"b", b.model_id, 0, [4])  # queued behind 1, 2, 3 as a prefetch
     assert h.core.sched.promoted == 1
-    h.finish()
     assert h.reader.jobs[-1].key == (a.model_id, 0, 4) and h.reader.cls(h.reader.jobs[-1]) == DEMAND
     h.finish((a.model_id, 0, 4))
     assert h.reply(b"b", rid).refs[0].expert == 4
@@ -197,10 +196,10 @@ def test_late_prefetches_are_dropped(folder):
     a = h.hello(b"a")
     h.prefetch(b"a", a.model_id, 0, [0, 1, 2, 3, 4, 5], now=10, due=11)
     h.prefetch(b"a", a.model_id, 1, [0, 1], now=10, due=13)
-    assert h.core.sched.queued() == 6
+    assert h.core.sched.queued() == 7  # one prefetch in flight
     # the session moved on to call 12: the layer-0 guesses came due unread
     h.demand(b"a", a.model_id, 2, [9], now=12)
-    assert h.core.sched.queued(PREFETCH) == 2 and h.core.sched.dropped == 4
+    assert h.core.sched.queued(PREFETCH) == 2 and h.core.sched.dropped == 5
 
 
 def test_a_demand_over_the_share_is_served_in_waves(folder):
@@ -391,3 +390,18 @@ def test_a_read_queued_for_an_ended_session_serves_the_next_asker(folder):
         h.finish()
     assert [r.expert for r in h.reply(b"b", rid).refs] == [3]
     assert not h.core.sched.reads
+
+
+def test_prefetches_fill_at_most_half_the_reads_in_flight(folder):
+    h = Harness(folder, workers=2)  # four reads in flight at most, two of them prefetches
+    a = h.hello(b"a")
+    h.prefetch(b"a", a.model_id, 0, list(range(8)))
+    assert len(h.reader.jobs) == 2 and h.core.prefetching == 2
+    rid = h.demand(b"a", a.model_id, 1, [0, 1, 2])  # the demand takes the free readers at once
+    assert [h.reader.cls(j) for j in h.reader.jobs] == [PREFETCH, PREFETCH, DEMAND, DEMAND]
+    h.finish()  # a prefetch ends: the demand's third record goes before the next prefetch
+    assert h.reader.cls(h.reader.jobs[-1]) == DEMAND and h.core.prefetching == 1
+    while h.reader.jobs:
+        h.finish()
+    assert [r.expert for r in h.reply(b"a", rid).refs] == [0, 1, 2]
+    assert h.core.prefetching == 0 and h.core.c["prefetch_reads"] == 8
