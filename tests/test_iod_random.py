@@ -16,6 +16,7 @@ from shared.blob import Manifest
 from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, wait_for
 
 E = P.ErrorCode
+SHARE = 4  # 12 slots, 3 sessions
 
 
 def _map(name, write):
@@ -80,7 +81,9 @@ def test_random_mix_no_leaks(model):
                 msg = P.Demand(r.req(), r.h.model_id, layer, experts, step)
                 r.open.add(msg.req_id)
                 r.send(msg)
-            elif op < 0.75:  # arena hits, pinned by the session alone
+            elif op < 0.75 and not r.open and len(set(r.held)) + len(experts) <= SHARE:
+                # arena hits, pinned by the session alone — as a client does it:
+                # not while a demand of its waits, and within its share
                 arr = np.array(experts, np.int32)
                 slots = np.empty(len(experts), np.int32)
                 gens = np.empty(len(experts), np.uint64)
