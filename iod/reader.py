@@ -160,17 +160,22 @@ class ReaderPool:
         self.seq += 1
         self.jobs.put((cls, self.seq, job))
 
-    def stop(self) -> None:
-        """Let jobs already submitted finish, then end the threads."""
+    def stop(self, timeout=None) -> bool:
+        """Let jobs already submitted finish, then end the threads; give up
+        waiting after ``timeout`` seconds (a read stuck in a device or a
+        throttle must not hold a stopping daemon). True when all ended."""
+        end = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if end is None else max(end - time.monotonic(), 0)  # noqa: E731
         for _ in self.threads:
             self.seq += 1
             self.jobs.put((99, self.seq, None))
         for t in self.threads:
-            t.join()
+            t.join(left())
         for _ in self.hashers:
             self.to_hash.put(None)
         for t in self.hashers:
-            t.join()
+            t.join(left())
+        return not any(t.is_alive() for t in self.threads + self.hashers)
 
     def _finish(self, job: Job) -> None:
         self.done.put(job)

@@ -29,6 +29,7 @@ from . import runtime
 from .core import Config, Core
 
 MAX_CONNECTIONS = 1024  # peers connected at once; more are refused at the handshake
+STOP_READS_S = 10.0  # a stop waits this long for the reads in flight
 REPLY_HWM = 256  # replies queued for one peer that does not read; more are dropped
 
 
@@ -238,7 +239,9 @@ class Shell:
         """Reads handed to the pool finish, sessions are told, shm and socket go."""
         reason = reason or "stop"
         self.core.stopping = reason
-        self.pool.stop()
+        if not self.pool.stop(timeout=STOP_READS_S):  # the threads are daemons: exit goes on
+            print(f"iod: reads still in flight after {STOP_READS_S:g} s; stopping anyway",
+                  file=sys.stderr, flush=True)
         while self.core.inflight:
             try:
                 job = self.pool.done.get_nowait()

@@ -277,3 +277,31 @@ def test_parse_size():
     for bad in ("0", "-1M", "lots"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_size(bad)
+
+
+def test_a_read_stuck_in_flight_does_not_hold_a_stopping_daemon(model):
+    """A private daemon whose session is gone stops even while a read hangs
+    (here a throttle of 1 KB/s): it waits STOP_READS_S, then exits clean."""
+    import time
+
+    from iod.shell import STOP_READS_S
+
+    d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "0.001"])
+    try:
+        r = Raw(d.socket)
+        h = r.hello(model)
+        r.send(P.Demand(r.req(), h.model_id, 2, [0], 1))  # a 300 KB record: minutes
+        wait_for(lambda: r.rt(P.Stats(r.req())).stats["inflight_reads"] == 1, what="a read")
+        shm = d.shm_name()
+        t = time.monotonic()
+        d._close_pipe()  # the parent is gone
+        assert d.proc.wait(STOP_READS_S + 20) == 0
+        assert time.monotonic() - t >= STOP_READS_S - 1
+        assert "stopping anyway" in d.logtext()
+        assert not shm_entries(d.pid) and not (d.folder / "iod.sock").exists()
+        assert not os.path.exists("/dev/shm" + shm)
+        r.close()
+    finally:
+        if d.proc.poll() is None:
+            d.kill()
+        shutil.rmtree(d.folder, ignore_errors=True)
