@@ -253,3 +253,75 @@ def test_restart_and_drain_usage():
         assert "--drain [S]" in p.stdout and "(default: 10.0)" in p.stdout
     finally:
         folder.rmdir()
+
+
+# ---- 8.7 every wait of a session has a bound; a full share blocks nobody ---------------------
+
+
+def test_infer_run_against_a_stopped_daemon_exits_with_one_line_within_the_timeout(prep_model):
+    """The daemon is SIGSTOPped while `infer run --iod SOCKET` generates:
+    the run ends with exit 1 and one line once the daemon's loop has stood
+    still for --iod-timeout seconds (a slow disk would keep it turning)."""
+    prep = prep_model("qwen3_moe")
+    timeout = 2.0
+    d = Detached("--arena", "2M")  # smaller than the model: the session keeps asking
+    gen = infer_run(d.socket, prep, "-m", 100000, "--ignore-chat-template", "--iod-timeout",
+                    timeout, "--mem-budget", tiny_budget(prep))
+    try:
+        assert gen.stdout.read(16), gen.stderr.read()  # generating
+        os.kill(d.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        rc = gen.wait(timeout=120)
+        took = time.monotonic() - t
+        err = gen.stderr.read()
+        assert rc == 1, err
+        assert one_line(err) == (f"infer run: the iod daemon went away: iod daemon (pid {d.pid}) "
+                                 f"is gone: its loop stood still for {timeout:g} s (stopped or "
+                                 f"wedged)")
+        # the bound, plus slack for the next miss to come and the process to exit
+        assert took < timeout + 10
+        emit("stopped_daemon", {"iod_timeout_s": timeout, "detected_and_exited_s": round(took, 2)})
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+        os.kill(d.pid, signal.SIGCONT)
+        d.close()
+    p = subprocess.run([PY, "-m", "infer.cli", "run", "--help"], capture_output=True, text=True)
+    assert "--iod-timeout S" in p.stdout and "(default: 10.0)" in " ".join(p.stdout.split())
+
+
+def test_auto_session_leaves_a_stopped_shared_daemon_for_a_private_one(synth_model, prep_model):
+    """With --iod auto the same fault is survived: the stopped shared daemon
+    is declared dead after --iod-timeout, its HELLO goes unanswered for at
+    most 6 x --iod-timeout, then a private daemon serves the rest; the
+    tokens are the uninterrupted run's."""
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    n, timeout = 96, 2.0
+    want = mlx_greedy_ids(src, n)
+    d = Detached("--arena", "2M")
+    env = dict(os.environ, IOD_RUN_DIR=str(d.folder))
+    gen = subprocess.Popen([PY, "-m", "infer.cli", "run", "--model", str(prep), "--prompt", PROMPT,
+                            "-m", str(n), "--json", "--iod-timeout", str(timeout),
+                            "--mem-budget", tiny_budget(prep)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for(lambda: any(s["pid"] == gen.pid and s["demands"] > 0
+                             for s in stats(d.socket)["sessions"]), 60, "the session generating")
+        os.kill(d.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        out, err = gen.communicate(timeout=180)
+        took = time.monotonic() - t
+        assert gen.returncode == 0, err
+        res = json.loads(out)
+        assert res["tokens"] == want
+        assert res["stats"]["daemon_pid"] not in (0, d.pid)  # a private daemon finished it
+        assert one_line(err) == (
+            f"iod: the shared daemon at {d.socket} is not usable (iod daemon (pid {d.pid}) is "
+            f"gone: no reply to HELLO within {6 * timeout:g} s); starting a private one")
+        emit("stopped_shared_daemon_auto", {"iod_timeout_s": timeout, "tokens": n,
+                                            "sigstop_to_end_s": round(took, 2)})
+    finally:
+        if gen.poll() is None:
+            gen.kill()
+        os.kill(d.pid, signal.SIGCONT)
+        d.close()
