@@ -325,3 +325,95 @@ def test_auto_session_leaves_a_stopped_shared_daemon_for_a_private_one(synth_mod
             gen.kill()
         os.kill(d.pid, signal.SIGCONT)
         d.close()
+
+
+def test_a_session_holding_its_whole_share_blocks_no_other(synth_model, prep_model):
+    """One session pins its whole share of the arena and never unpins;
+    another generates to the end, token for token, in the other share
+    (the arena holds about half the model: it evicts and reads throughout)."""
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    n = 48
+    want = mlx_greedy_ids(src, n)
+    d = Detached("--arena", "2M")
+    gen = infer_run(d.socket, prep, "-m", n, "--json", "--mem-budget", tiny_budget(prep))
+    hog = Raw(d.socket)
+    try:
+        wait_for(lambda: any(s["pid"] == gen.pid for s in stats(d.socket)["sessions"]), 60,
+                 "the generating session's HELLO")
+        h = hog.hello(prep, working_set=2)
+        assert isinstance(h, P.HelloOk), h
+        share = h.slot_count // 2
+        held = layer = 0
+        while held < share:  # ask for whole layers until the daemon grants no more
+            ok = hog.rt(P.Demand(hog.req(), h.model_id, layer % 4, list(range(32)), layer + 1),
+                        timeout=60)
+            assert isinstance(ok, P.DemandOk), ok
+            held += len(ok.refs)
+            layer += 1
+        more = hog.rt(P.Demand(hog.req(), h.model_id, 3, list(range(32)), layer + 1))
+        assert isinstance(more, P.DemandOk) and more.refs == []  # its share is used up: a wave of 0
+        mine = [s for s in stats(d.socket)["sessions"] if s["pid"] == os.getpid()]
+        assert mine[0]["pins"] == held == share
+        out, err = gen.communicate(timeout=300)
+        assert gen.returncode == 0, err
+        assert json.loads(out)["tokens"] == want
+        st = stats(d.socket)
+        assert [s["pins"] for s in st["sessions"]] == [share]  # held to the end
+        emit("share_hog", {"slots": h.slot_count, "hog_pins": held, "tokens": n,
+                           "reads": st["counters"]["reads"], "evictions": st["counters"]["evictions"]})
+    finally:
+        hog.close()
+        if gen.poll() is None:
+            gen.kill()
+        d.close()
+
+
+# ---- 8.8 a layer call larger than the session's share is served in waves -------------------
+
+
+def test_concurrent_prefills_larger_than_their_shares_come_in_waves(synth_model, prep_model):
+    """Three `infer run` sessions at once on one daemon whose arena has 31
+    slots: each share is 10 records, a prefill layer call needs about 27
+    (30 prompt tokens x top-2 of 32 experts). Each is served in waves
+    within its share, never refused, and generates the single-session ids."""
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    n = 24
+    want = mlx_greedy_ids(src, n)
+    d = Detached("--arena", "1536K")
+    runs = []
+    try:
+        for _ in range(3):  # each held after its HELLO, so that all three prefill together
+            r = infer_run(d.socket, prep, "-m", n, "--json", "--mem-budget", tiny_budget(prep))
+            runs.append(r)
+            wait_for(lambda: any(s["pid"] == r.pid for s in stats(d.socket)["sessions"]), 60,
+                     "the session's HELLO")
+            os.kill(r.pid, signal.SIGSTOP)
+        assert stats(d.socket)["share"] == stats(d.socket)["arena"]["slot_count"] // 3
+        for r in runs:
+            os.kill(r.pid, signal.SIGCONT)
+        seen = set()
+        while any(r.poll() is None for r in runs):
+            try:  # how many sessions shared the arena at once
+                seen.add(len(stats(d.socket)["sessions"]))
+            except TimeoutError:
+                pass
+            time.sleep(0.2)
+        for r in runs:
+            out, err = r.communicate()
+            assert r.returncode == 0, err
+            assert json.loads(out)["tokens"] == want
+            assert "TOO_MANY" not in err and "iod" not in err, err
+        st = stats(d.socket)
+        slots = st["arena"]["slot_count"]
+        assert st["counters"]["short_grants"] > 0  # waves were needed, and served
+        assert st["counters"]["internal_errors"] == 0 and max(seen) == 3
+        emit("waves", {"sessions": 3, "slots": slots, "share_of_3": slots // 3,
+                       "sessions_at_once_max": max(seen), "tokens": n,
+                       "short_grants": st["counters"]["short_grants"],
+                       "demands": st["counters"]["demands"], "reads": st["counters"]["reads"]})
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                os.kill(r.pid, signal.SIGCONT)
+                r.kill()
+        d.close()
