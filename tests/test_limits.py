@@ -18,9 +18,10 @@ import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
+import pytest
 
 from shared import protocol as P
+from shared.blob import Manifest
 from tests.iod_fixtures import PY, Raw, short_dir, wait_for
 from tests.test_run import PROMPT, mlx_greedy_ids, tiny_budget
 
@@ -416,4 +417,343 @@ def test_concurrent_prefills_larger_than_their_shares_come_in_waves(synth_model,
             if r.poll() is None:
                 os.kill(r.pid, signal.SIGCONT)
                 r.kill()
+        d.close()
+
+
+# ---- 8.9 connections are capped; unread replies are bounded ----------------------------------
+
+
+def _rss_mib(pid) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _fds(pid) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Peers:
+    """Many DEALER connections from this process, none of which reads."""
+
+    def __init__(self):
+        import resource
+
+        import zmq
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two descriptors a socket
+        self.zmq = zmq
+        self.ctx = zmq.Context()
+        self.ctx.MAX_SOCKETS = 16384
+        self.socks = []
+
+    def connect(self, sock, n, rcvhwm=1000):
+        out = []
+        for _ in range(n):
+            s = self.ctx.socket(self.zmq.DEALER)
+            s.setsockopt(self.zmq.LINGER, 0)
+            s.setsockopt(self.zmq.RCVHWM, rcvhwm)
+            s.setsockopt(self.zmq.RCVBUF, 4096)
+            s.connect(f"ipc://{sock}")
+            out.append(s)
+        self.socks += out
+        return out
+
+    def close(self):
+        for s in self.socks:
+            s.close()
+        self.ctx.term()
+
+
+def _raw_connect(path, wait_s=30):
+    """A plain AF_UNIX connection; EAGAIN (the listen backlog is full) is retried."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.setblocking(False)
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            s.connect(str(path))
+            return s
+        except BlockingIOError:
+            if time.monotonic() > end:
+                s.close()
+                raise
+            time.sleep(0.01)
+
+
+def _ask_stats(socks):
+    """A STATS on each; a client already refused has no peer to send to (a
+    blocking send would wait for one forever): its request is dropped."""
+    import zmq
+
+    from shared import codec
+
+    for s in socks:
+        try:
+            s.send_multipart(codec.encode(P.Stats(1)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+
+def _answered(socks, wait_s, quiet_s=5.0):
+    """How many of ``socks`` got a reply: polled until all did, ``wait_s``
+    passed, or (after a first one) none came for ``quiet_s`` seconds."""
+    end = time.monotonic() + wait_s
+    got = set()
+    last = None
+    while time.monotonic() < end and len(got) < len(socks):
+        for i, s in enumerate(socks):
+            if i not in got and s.poll(0):
+                s.recv_multipart()
+                got.add(i)
+                last = time.monotonic()
+        if last is not None and time.monotonic() - last > quiet_s:
+            break
+        time.sleep(0.05)
+    return len(got)
+
+
+def test_two_thousand_connections_are_capped_and_refused_cleanly(model):
+    """1000 clients that complete the handshake, 1000 raw connections that
+    never say a word, then 100 more clients: the daemon lives, refuses the
+    100 at the handshake (none keeps retrying), keeps serving the session
+    it had, and admits again once connections close."""
+    from infer.client import IodClient
+    from tests.iod_fixtures import record_bytes
+
+    d = Detached("--arena", "16M")  # --max-connections 1024 (the default)
+    peers = Peers()
+    raw = []
+    c = IodClient(model, iod=str(d.socket))
+    m = Manifest.load(model)
+    try:
+        assert c.read(1, [3])[3] == record_bytes(model, m.layer(1), 3)
+        base_rss, base_fds = _rss_mib(d.pid), _fds(d.pid)
+        first = peers.connect(d.socket, 1000)
+        _ask_stats(first)
+        assert _answered(first, 120, quiet_s=30) == 1000  # with the session: 1001 <= 1024
+        for _ in range(1000):  # accepted by libzmq; no handshake ever
+            raw.append(_raw_connect(d.socket))
+        late = peers.connect(d.socket, 100)
+        _ask_stats(late)
+        wait_for(lambda: c.stats()["counters"]["refused_peers"] >= 100, 60, "100 refusals")
+        # a few refused clients see the connection drop before the refusal
+        # and retry once; none keeps retrying
+        time.sleep(3)
+        refused = c.stats()["counters"]["refused_peers"]
+        time.sleep(3)
+        st = c.stats()
+        assert st["counters"]["refused_peers"] == refused
+        assert _answered(late, 1) == 0  # refused at the handshake: no message passed
+        peak_rss, peak_fds = _rss_mib(d.pid), _fds(d.pid)
+        assert c.read(2, [5])[5] == record_bytes(model, m.layer(2), 5)  # still served
+        for r in raw:
+            r.close()
+        raw = []
+        for s in first:
+            s.close()
+        peers.socks = late
+        wait_for(lambda: _fds(d.pid) < base_fds + 150, 60, "the connections closed")
+        again = peers.connect(d.socket, 1)
+        _ask_stats(again)
+        assert _answered(again, 30) == 1  # admitted again
+        assert st["counters"]["internal_errors"] == 0 and not gone(d.pid)
+        emit("connections", {"connections": 2101, "cap": st["max_connections"],
+                             "refused": st["counters"]["refused_peers"],
+                             "daemon_fds": [base_fds, peak_fds],
+                             "daemon_rss_mib": [round(base_rss, 1), round(peak_rss, 1)]})
+    finally:
+        for r in raw:
+            r.close()
+        c.close()
+        peers.close()
+        d.close()
+
+
+def test_a_low_descriptor_limit_lowers_the_connection_cap(model):
+    """Under a descriptor limit of 1024 the cap (1024 asked) would let
+    libzmq meet EMFILE first and abort; the daemon lowers it to 768 and
+    refuses the rest of 2000 clients connecting 100 at a time."""
+    folder = short_dir("iodl-")
+    sock = folder / "iod.sock"
+    p = subprocess.run(["prlimit", "--nofile=1024:1024", PY, "-m", "iod.cli", "start", "--socket",
+                        str(sock), "--arena", "16M"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    pid = int((folder / "iod.lock").read_text())
+    log = (folder / "iod.log").read_text()
+    assert "iod: --max-connections 1024 lowered to 768: the descriptor limit is 1024" in log
+    peers = Peers()
+    try:
+        assert stats(sock)["max_connections"] == 768
+        socks = []
+        for _ in range(20):
+            batch = peers.connect(sock, 100)
+            _ask_stats(batch)
+            socks += batch
+            time.sleep(0.2)
+        answered = _answered(socks, 60)
+        assert not gone(pid)
+        assert answered <= 768 and _fds(pid) < 1024
+        for s in socks:
+            s.close()
+        peers.socks = []
+        wait_for(lambda: _fds(pid) < 100, 60, "the connections closed")
+        st = stats(sock)
+        assert st["counters"]["refused_peers"] >= 2000 - 768
+        emit("connections_low_fd_limit", {"fd_limit": 1024, "cap": 768, "clients": 2000,
+                                          "answered": answered,
+                                          "refused": st["counters"]["refused_peers"]})
+    finally:
+        peers.close()
+        if not gone(pid):
+            cli("stop", "--socket", sock, "--grace", "5")
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+
+
+def test_unread_replies_do_not_grow_the_daemon(model):
+    """60 sessions each send 300 STATS and read none (~100 MB of replies,
+    ~5.6 KB each with 61 sessions to list): the daemon's RSS stays within
+    64 MiB of its baseline (REPLY_HWM replies per peer, then dropped), and
+    the session it serves meanwhile gets its records."""
+    from infer.client import IodClient
+    from shared import codec
+    from tests.iod_fixtures import record_bytes
+
+    n_peers, per_peer = 60, 300
+    d = Detached("--arena", "32M")  # 105 slots: a share of 1 for each of 61 sessions
+    peers = Peers()
+    c = IodClient(model, iod=str(d.socket))
+    m = Manifest.load(model)
+    try:
+        c.read(0, [0])
+        base = _rss_mib(d.pid)
+        flood = peers.connect(d.socket, n_peers, rcvhwm=1)  # one message at a time, then none
+        mhash = Manifest.load_with_hash(model)[1]
+        for s in flood:  # a session each, so that STATS lists them all
+            s.send_multipart(codec.encode(P.Hello(1, P.PROTOCOL_VERSION, os.getpid(), str(model),
+                                                  mhash, 1, False)))
+            assert s.poll(30000)
+            assert isinstance(codec.decode(s.recv_multipart()), P.HelloOk)
+        connected = _rss_mib(d.pid)
+        reply_bytes = sum(len(f) for f in codec.encode(P.StatsOk(1, c.stats())))
+        before = c.stats()["counters"]["requests"]
+        for _ in range(per_peer):
+            _ask_stats(flood)
+        total = n_peers * per_peer
+        peak = connected
+        t = time.monotonic()
+        layer = 0
+        while True:
+            peak = max(peak, _rss_mib(d.pid))
+            st = c.stats()
+            if st["counters"]["requests"] - before >= total:
+                break
+            assert time.monotonic() - t < 300, "the daemon stopped answering the flood"
+            layer = (layer + 1) % 3
+            e = layer * 5 % 16
+            assert c.read(layer, [e])[e] == record_bytes(model, m.layer(layer), e)
+            time.sleep(0.1)
+        took = time.monotonic() - t
+        assert not gone(d.pid) and st["counters"]["internal_errors"] == 0
+        assert peak - base < 64, (base, connected, peak)
+        emit("reply_flood", {"peers": n_peers, "requests": total, "reply_bytes": reply_bytes,
+                             "replies_mb": round(total * reply_bytes / 1e6),
+                             "rss_mib": {"baseline": round(base, 1),
+                                         "sessions_connected": round(connected, 1),
+                                         "peak": round(peak, 1)},
+                             "seconds": round(took, 1)})
+    finally:
+        c.close()
+        peers.close()
+        d.close()
+
+
+# ---- 8.10 identity across reconnects: a re-prepped folder ends the session -------------------
+
+
+def _mlx_greedy_text(src, max_tokens, enough_chars):
+    """mlx-lm's greedy text on the model folder, as `infer run` prints it,
+    up to ``enough_chars`` characters (or ``max_tokens`` tokens)."""
+    from mlx_lm import load as mlx_load
+    from mlx_lm import stream_generate
+
+    from infer.run import encode_prompt
+
+    model, tokenizer = mlx_load(str(src))
+    text = ""
+    for r in stream_generate(model, tokenizer, encode_prompt(tokenizer, PROMPT),
+                             max_tokens=max_tokens):
+        text += r.text
+        if len(text) > enough_chars:
+            break
+    return text
+
+
+def _prep(src, dst, *extra):
+    p = subprocess.run([PY, "-m", "infer.cli", "prep", "--model", str(src), "--out", str(dst),
+                        "--no-progress", *extra], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+
+
+@pytest.mark.parametrize("how", ["private", "restarted"])
+def test_a_folder_re_prepped_under_a_session_ends_it_with_one_line(synth_model, tmp_path, how):
+    """`infer run --iod auto` generates from a shared daemon; the prep
+    folder is re-prepped in place with other weights (`infer prep --force`
+    of another seed); the daemon is SIGKILLed and the session reconnects to
+    a private daemon (``private``) or to the shared one restarted while the
+    session was held (``restarted``). Both read the new manifest: the
+    session ends with exit 1 and one line naming the change, and every
+    character it printed is the old weights' text (as mlx-lm gives it)."""
+    old_src, new_src = synth_model("qwen3_moe"), synth_model("qwen3_moe", seed=1)
+    prep = tmp_path / "prep"
+    _prep(old_src, prep)
+    old_hash = Manifest.load_with_hash(prep)[1]
+    n = 2000
+    assert mlx_greedy_ids(new_src, 16) != mlx_greedy_ids(old_src, 16)  # other weights, other words
+    budget = tiny_budget(prep)
+    d = Detached("--arena", "2M")
+    env = dict(os.environ, IOD_RUN_DIR=str(d.folder))
+    gen = subprocess.Popen([PY, "-m", "infer.cli", "run", "--model", str(prep), "--prompt", PROMPT,
+                            "-m", str(n), "--mem-budget", budget],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert gen.stdout.readline() == "==========\n", gen.stderr.read()
+        head = gen.stdout.read(8)  # generating, from the shared daemon
+        assert [s["pid"] for s in stats(d.socket)["sessions"]] == [gen.pid]
+        _prep(new_src, prep, "--force")  # in place, while the session generates
+        new_hash = Manifest.load_with_hash(prep)[1]
+        assert new_hash != old_hash
+        os.kill(gen.pid, signal.SIGSTOP)  # held, so the daemon's death finds it mid-generation
+        os.kill(d.pid, signal.SIGKILL)
+        wait_for(lambda: gone(d.pid), 10, "the daemon's death")
+        if how == "restarted":
+            p, _ = cli("start", "--socket", d.socket, "--arena", "2M")
+            assert p.returncode == 0, p.stderr
+            d.pid = d.lock_pid()
+        os.kill(gen.pid, signal.SIGCONT)
+        rest, err = gen.communicate(timeout=120)
+        assert gen.returncode == 1, err
+        assert one_line(err) == (f"infer run: iod MODEL_CHANGED: {prep} changed since the "
+                                 f"session loaded it: manifest hash {old_hash}, now {new_hash}; "
+                                 f"load it again")
+        printed = head + rest
+        want_text = _mlx_greedy_text(old_src, n, len(printed))
+        assert want_text.startswith(printed), (printed, want_text)  # no token of the new weights
+        assert len(printed) < len(want_text)  # it ended before its last token
+        if how == "restarted":  # the restarted daemon refused it, and still serves
+            st = stats(d.socket)
+            assert st["sessions"] == [] and [m["hash"] for m in st["models"]] == [new_hash]
+        assert not [x for x in d.folder.iterdir() if x.is_dir()]  # no private daemon left
+        emit("model_changed", {"mode": how, "chars_printed": len(printed)})
+    finally:
+        if gen.poll() is None:
+            os.kill(gen.pid, signal.SIGCONT)
+            gen.kill()
         d.close()
