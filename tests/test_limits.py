@@ -1,4 +1,4 @@
-"""Limits and lifetimes (docs/reliability.md, section 8.6-8.9): each test
+"""Limits and lifetimes (docs/reliability.md, sections 8.6-8.10): each test
 performs the fault for real, with real processes and sockets.
 
 - `iod stop --drain` and `iod restart` (issue 16, item 8);
