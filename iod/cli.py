@@ -54,6 +54,20 @@ def _version():
         return "(not installed)"
 
 
+class _VersionAction(argparse.Action):
+    """--version, looked up only when asked: importlib.metadata costs an
+    import of the email package at every parse (and a daemon started in a
+    process that cannot import any more modules must not need it)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"iod: iod-moe {_version()}")
+        parser.exit()
+
+
 class _Parser(argparse.ArgumentParser):
     """A bad argument is one line on stderr and exit status 2 (no usage block)."""
 
@@ -65,7 +79,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser():
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = _Parser(prog="iod", description="expert IO daemon", formatter_class=fmt)
-    p.add_argument("--version", action="version", version=f"iod: iod-moe {_version()}")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="start the daemon (detached unless --foreground)",
                         formatter_class=fmt)
