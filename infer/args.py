@@ -71,6 +71,7 @@ def _number(kind, lo=None, hi=None, lo_open=False, what=None):
 positive_int = _number(int, 1)
 nonneg_int = _number(int, 0)
 nonneg_float = _number(float, 0.0)
+positive_float = _number(float, 0.0, lo_open=True)
 unit_float = _number(float, 0.0, 1.0)
 seed_int = _number(int, 0, (1 << 64) - 1)
 port_int = _number(int, 0, 65535)

@@ -138,6 +138,9 @@ class IodClient(ExpertSource):
         self._attach(sock, pid)
 
     def _attach(self, sock: Path, pid: int):
+        # a fresh connection: a failed attach before it (an unanswered HELLO
+        # to the shared daemon) must not fail this one with its sticky error
+        self._dead = None
         self.socket = sock
         self.daemon_pid = pid if pid > 0 else 0
         self._watch(self.daemon_pid)

@@ -86,12 +86,15 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     return model, tokenizer, store
 
 
-def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=None):
+def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=None,
+         iod_timeout=10.0):
     """Load a prep folder as ``(model, tokenizer)``; experts stream through iod.
 
     The result works unchanged with ``mlx_lm.generate`` and
     ``mlx_lm.stream_generate``. ``dtype``: e.g. ``mx.float32`` to run a
     bfloat16 folder in float32 (much faster on CPUs without fast bfloat16).
+    ``iod_timeout``: seconds the daemon may stand still before a call raises
+    ``infer.client.DaemonDead`` (a slow disk is waited for).
     """
     from .budget import top_k
     from .client import IodClient
@@ -99,6 +102,6 @@ def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=N
     check_prep_folder(model_dir)
     if isinstance(dtype, str):
         dtype = getattr(mx, dtype)
-    source = IodClient(model_dir, iod=iod, working_set=top_k(model_dir))
+    source = IodClient(model_dir, iod=iod, working_set=top_k(model_dir), timeout=iod_timeout)
     model, tokenizer, _ = load_streaming(model_dir, source, cache_bytes, tokenizer_config, dtype)
     return model, tokenizer

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from shared.units import format_size, parse_size
 
-from .args import Parser, add_dtype, add_sampling, add_version, positive_int, seed_int, str2bool
+from .args import (Parser, add_dtype, add_sampling, add_version, positive_float, positive_int,
+                   seed_int, str2bool)
 
 EPILOG = ("mlx-lm's flags work as in mlx_lm.generate (-m is --max-tokens, -p is --prompt). "
           "Ctrl-C stops the generation (exit status 130).")
@@ -27,6 +28,9 @@ def build_parser():
     add_dtype(p)
     p.add_argument("--iod", default="auto",
                    help="'auto' (the shared daemon, else a private one) or a daemon's socket file")
+    p.add_argument("--iod-timeout", type=positive_float, default=10.0, metavar="S",
+                   help="seconds the daemon's loop may stand still (stopped, wedged) before the "
+                        "session ends with one line; a slow disk is waited for")
     p.add_argument("--mem-budget", default=None,
                    help="bound on the session's memory, e.g. 4G (default: a quarter of the experts cached)")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
@@ -173,7 +177,7 @@ def _main(args) -> int:
 
     try:
         source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model),
-                           profile=bool(args.profile), **client_kw)
+                           profile=bool(args.profile), timeout=args.iod_timeout, **client_kw)
     except IodError as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2

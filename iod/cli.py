@@ -1,7 +1,10 @@
-"""`iod start | stop | status`: the expert IO daemon's command line."""
+"""`iod start | stop | restart | status`: the expert IO daemon's command line."""
 
 import argparse
+import contextlib
+import io
 import json
+import math
 import os
 import signal
 import sys
@@ -15,6 +18,7 @@ from . import doctor, runtime
 
 SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 KILL_WAIT_S = 5.0  # after SIGKILL: the kernel ends even a stopped process at once
+DRAIN_POLL_S = 1.0  # how often `iod stop --drain` asks which sessions are left
 
 
 def parse_size(text: str) -> int:
@@ -30,6 +34,17 @@ def parse_size(text: str) -> int:
     return int(n * mult)
 
 
+def seconds(text: str) -> float:
+    """A duration in seconds: a number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not v >= 0:  # NaN included
+        raise argparse.ArgumentTypeError(f"seconds must be 0 or more: {text!r}")
+    return v
+
+
 def _version():
     from importlib import metadata
 
@@ -39,10 +54,32 @@ def _version():
         return "(not installed)"
 
 
+class _VersionAction(argparse.Action):
+    """--version, looked up only when asked: importlib.metadata costs an
+    import of the email package at every parse (and a daemon started in a
+    process that cannot import any more modules must not need it)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"iod: iod-moe {_version()}")
+        parser.exit()
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr and exit status 2 (no usage block)."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: {message}\n")
+        sys.exit(2)
+
+
 def _parser():
     fmt = argparse.ArgumentDefaultsHelpFormatter
-    p = argparse.ArgumentParser(prog="iod", description="expert IO daemon", formatter_class=fmt)
-    p.add_argument("--version", action="version", version=f"iod: iod-moe {_version()}")
+    p = _Parser(prog="iod", description="expert IO daemon", formatter_class=fmt)
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="start the daemon (detached unless --foreground)",
                         formatter_class=fmt)
@@ -75,11 +112,20 @@ def _parser():
     st.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     st.add_argument("--parent-fd", type=int, help=argparse.SUPPRESS)
     doctor.add_parser(sub, fmt)
-    stop = sub.add_parser("stop", help="stop the daemon: SIGTERM, then SIGKILL after --grace",
-                          formatter_class=fmt)
-    stop.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
-    stop.add_argument("--grace", "--timeout", dest="grace", type=float, default=10.0,
-                      help="seconds between SIGTERM and SIGKILL")
+    stop = sub.add_parser("stop", help="stop the daemon: SIGTERM, then SIGKILL after --grace "
+                          "(--drain: let its sessions finish first)", formatter_class=fmt)
+    restart = sub.add_parser("restart", help="stop the daemon (--drain: after its sessions) "
+                             "and start it again with the options it was started with",
+                             formatter_class=fmt)
+    for sp in (stop, restart):
+        sp.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
+        sp.add_argument("--drain", nargs="?", type=seconds, const=math.inf,
+                        default=argparse.SUPPRESS,  # absent: no drain (and no "(default: None)")
+                        metavar="S", help="first drain: the daemon takes no new session and "
+                        "stops after its last one ends; wait for that (at most S seconds when "
+                        "given; Ctrl-C stops waiting), then stop it as without --drain")
+        sp.add_argument("--grace", "--timeout", dest="grace", type=seconds, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL")
     status = sub.add_parser("status", help="the daemon's state (STATS)", formatter_class=fmt)
     status.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
     status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
@@ -98,7 +144,9 @@ def main(argv=None) -> int:
             return 2
         return start_foreground(args, sock) if args.foreground else start_detached(args, sock)
     if args.cmd == "stop":
-        return stop(sock, args.grace)
+        return stop(sock, args.grace, getattr(args, "drain", None))
+    if args.cmd == "restart":
+        return restart(sock, args.grace, getattr(args, "drain", None))
     if args.cmd == "doctor":
         return doctor.main(args)
     return status(sock, args.timeout, args.json)
@@ -150,6 +198,10 @@ def start_foreground(args, sock: Path) -> int:
         paths.arena_record_path(folder).unlink(missing_ok=True)
         _release_lock(folder, lock_fd)
         return 1
+    try:  # for `iod restart`; a daemon that cannot record them still serves
+        runtime.write_start_args(folder, start_options(args))
+    except OSError as e:
+        print(f"iod: cannot record the start options: {e}", file=sys.stderr)
     print(f"iod: ready (pid {os.getpid()}, socket {sock}, arena {daemon.shm_name} "
           f"{args.arena >> 20} MiB, {cfg.workers} workers)", file=sys.stderr, flush=True)
     _say(ready_fd, f"READY {os.getpid()}")
@@ -158,6 +210,7 @@ def start_foreground(args, sock: Path) -> int:
     try:
         daemon.serve()
     finally:
+        runtime.start_args_path(folder).unlink(missing_ok=True)
         _release_lock(folder, lock_fd)
     print("iod: stopped", file=sys.stderr, flush=True)
     return 0
@@ -185,17 +238,8 @@ def start_detached(args, sock: Path) -> int:
     if pid:
         print(f"iod: already running (pid {pid})", file=sys.stderr)
         return 1
-    extra = ["--arena", str(args.arena), "--workers", str(args.workers),
-             "--hashers", str(args.hashers),
-             "--read-rate", str(args.read_rate), "--max-sessions", str(args.max_sessions),
-             "--max-connections", str(args.max_connections),
-             "--max-queued", str(args.max_queued)]
-    if args.slot_size:
-        extra += ["--slot-size", str(args.slot_size)]
-    if args.no_prefault:
-        extra.append("--no-prefault")
     try:
-        _, pid = spawn(sock, extra, log=args.log or folder / "iod.log")
+        _, pid = spawn(sock, start_options(args), log=args.log or folder / "iod.log")
     except RuntimeError as e:
         print(f"iod: {e}", file=sys.stderr)
         return 1
@@ -203,14 +247,29 @@ def start_detached(args, sock: Path) -> int:
     return 0
 
 
-def stop(sock: Path, grace: float) -> int:
-    """SIGTERM (and SIGCONT, so a stopped daemon handles it), SIGKILL after
-    ``grace`` seconds, then remove what a killed daemon leaves: bounded
-    whatever the daemon is doing."""
+def start_options(args) -> list:
+    """The `iod start` options of a daemon, as a detached start passes them
+    to its child and as the child records them for `iod restart`."""
+    opts = ["--arena", str(args.arena), "--workers", str(args.workers),
+            "--hashers", str(args.hashers),
+            "--read-rate", str(args.read_rate), "--max-sessions", str(args.max_sessions),
+            "--max-connections", str(args.max_connections),
+            "--max-queued", str(args.max_queued)]
+    if args.slot_size:
+        opts += ["--slot-size", str(args.slot_size)]
+    if args.no_prefault:
+        opts.append("--no-prefault")
+    if args.log:
+        opts += ["--log", str(Path(args.log).absolute())]
+    return opts
+
+
+def _running_pid(sock: Path) -> int:
+    """The pid holding the daemon's lock; 0 after saying why there is none
+    to signal. Only a lock in a run dir of ours names a pid we may signal."""
     folder = sock.parent
     lock = paths.lock_path(folder)
     try:
-        # the pid comes from the lock: only a lock in our own folder names a pid we may signal
         trust.check_run_dir(folder)
         if os.path.lexists(lock):
             trust.check_lock(lock)
@@ -219,13 +278,43 @@ def stop(sock: Path, grace: float) -> int:
         pid = 0
     except OSError as e:
         print(f"iod: {e}", file=sys.stderr)
-        return 1
+        return 0
     if not pid:
         print("iod is not running", file=sys.stderr)
-        return 1
+        return 0
     if pid < 0:
         print("iod: the lock is held but names no pid", file=sys.stderr)
+        return 0
+    return pid
+
+
+def stop(sock: Path, grace: float, drain=None) -> int:
+    """SIGTERM (and SIGCONT, so a stopped daemon handles it), SIGKILL after
+    ``grace`` seconds, then remove what a killed daemon leaves: bounded
+    whatever the daemon is doing. With ``drain`` (seconds, inf for no
+    bound): first SIGUSR1 and wait for the daemon to end its sessions and
+    exit; only past ``drain`` seconds the stop above."""
+    folder = sock.parent
+    lock = paths.lock_path(folder)
+    pid = _running_pid(sock)
+    if not pid:
         return 1
+    if drain is not None:
+        _signal(pid, signal.SIGUSR1)  # no new sessions; the daemon exits after its last one
+        _signal(pid, signal.SIGCONT)
+        try:
+            left = _wait_drained(sock, lock, pid, drain)
+        except KeyboardInterrupt:
+            print(f"\niod: stopped waiting; pid {pid} keeps draining and exits after its last "
+                  f"session", file=sys.stderr)
+            return 130
+        if left is None:
+            swept = _sweep_after(folder, sock)
+            print(f"iod drained and stopped (pid {pid})"
+                  + (f"; removed {', '.join(swept)}" if swept else ""))
+            return 0
+        print(f"iod: pid {pid} still has {_count(left, 'session')} after {drain:g} s of "
+              f"draining; stopping it", file=sys.stderr)
     how = "stopped"
     _signal(pid, signal.SIGTERM)
     _signal(pid, signal.SIGCONT)
@@ -240,6 +329,83 @@ def stop(sock: Path, grace: float) -> int:
     swept = _sweep_after(folder, sock)
     print(f"iod {how} (pid {pid})" + (f"; removed {', '.join(swept)}" if swept else ""))
     return 0
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
+def _wait_drained(sock: Path, lock: Path, pid: int, limit: float):
+    """Until the draining daemon exits (None), or ``limit`` seconds pass
+    (the number of sessions it still has). Says on stderr which sessions
+    it waits for, again whenever that changes."""
+    deadline = time.monotonic() + limit
+    shown = None
+    next_ask = 0.0
+    left = 0
+    while lock_holder(lock) == pid:
+        now = time.monotonic()
+        if now >= next_ask:
+            next_ask = now + DRAIN_POLL_S
+            sessions = _sessions(sock)
+            if sessions is not None:
+                left = len(sessions)
+                if sessions != shown:
+                    shown = sessions
+                    what = ", ".join(sessions) or "reads in flight"
+                    print(f"iod: draining pid {pid}: waiting for {_count(left, 'session')} "
+                          f"({what})" if sessions else f"iod: draining pid {pid}: no session "
+                          f"left, finishing {what}", file=sys.stderr, flush=True)
+        if now > deadline:
+            return left
+        time.sleep(0.05)
+    return None
+
+
+def _sessions(sock: Path):
+    """["pid P: model dir", ...] of the daemon's sessions, None when it does not answer."""
+    from shared import protocol as P
+
+    try:
+        reply = request(sock, P.Stats(1), 2.0)
+    except Exception:
+        return None
+    if not isinstance(reply, P.StatsOk):
+        return None
+    st = reply.stats
+    dirs = {m["id"]: m["dir"] for m in st.get("models", [])}
+    return [f"pid {s['pid']}: {dirs.get(s['model'], '?')}" for s in st.get("sessions", [])]
+
+
+def restart(sock: Path, grace: float, drain=None) -> int:
+    """Stop the daemon (``drain``: as `iod stop --drain`), then start it
+    detached with the options it recorded at its start (``iod.args``)."""
+    pid = _running_pid(sock)
+    if not pid:
+        return 1
+    path = runtime.start_args_path(sock.parent)
+    try:
+        opts = runtime.read_start_args(sock.parent)
+    except FileNotFoundError:
+        print(f"iod: pid {pid} recorded no start options ({path}); stop it and start it with "
+              f"`iod start`", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"iod: {e}", file=sys.stderr)
+        return 1
+    argv = ["start", "--socket", str(sock), *opts]
+    err = io.StringIO()
+    try:  # checked before the daemon is stopped: a bad record stops nothing
+        with contextlib.redirect_stderr(err):
+            _parser().parse_args(argv)
+    except SystemExit:
+        why = err.getvalue().strip().splitlines()[-1:] or ["?"]
+        print(f"iod: {path} holds options `iod start` refuses: {why[0]}", file=sys.stderr)
+        return 1
+    rc = stop(sock, grace, drain)
+    if rc != 0:
+        return rc
+    return main(argv)
 
 
 def _signal(pid: int, sig) -> None:
@@ -333,7 +499,8 @@ def status(sock: Path, timeout: float, as_json: bool) -> int:
 def format_status(st: dict) -> str:
     c, a = st["counters"], st["arena"]
     lines = [
-        f"iod pid {st['pid']}  up {st['uptime_s']:.0f} s  socket {st['socket']}",
+        f"iod pid {st['pid']}  up {st['uptime_s']:.0f} s  socket {st['socket']}"
+        + ("  draining" if st.get("draining") else ""),
         f"arena {a['name']}  {a['bytes'] >> 20} MiB  {a['slot_count']} slots of {a['slot_size']} B  "
         + "  ".join(f"{k} {v}" for k, v in a["slots"].items()),
         f"demands {c['demands']}  prefetch hints {c['prefetches']}  reads {c['reads']} "

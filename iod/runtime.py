@@ -1,5 +1,5 @@
 """The daemon's footprint on the machine: run dir, lock file, stale sweeps,
-the arena record and the arena's size bounds.
+the arena record, the start settings and the arena's size bounds.
 
 Kept free of heavy imports: ``iod start`` checks the lock with it before it
 spawns anything, so a second start is refused quickly. Files are opened
@@ -9,6 +9,7 @@ by fstat of what was opened.
 
 import errno
 import fcntl
+import json
 import os
 import stat
 import sys
@@ -19,6 +20,8 @@ from shared.launch import SAFE_OPEN, ensure_run_dir, pid_alive, read_pid  # noqa
 from shared.trust import Untrusted
 
 MIN_ARENA = 1 << 20
+START_ARGS = "iod.args"  # beside the lock: the running daemon's `iod start` options
+START_ARGS_MAX = 64 << 10
 ARENA_SHARE = 0.75  # of physical memory, and of the shared-memory file system's free space
 
 
@@ -101,6 +104,62 @@ def write_arena_record(folder: Path, *names: str) -> None:
     os.replace(tmp, rec)
 
 
+def start_args_path(folder: Path) -> Path:
+    return Path(folder) / START_ARGS
+
+
+def write_start_args(folder: Path, argv: list) -> None:
+    """Record the options this daemon was started with (``iod start``'s
+    own, as a JSON list), so ``iod restart`` starts the next one alike.
+    Written like ``arena.name``: a fresh 0600 file renamed into place."""
+    rec = start_args_path(folder)
+    tmp = rec.with_suffix(".tmp")
+    try:
+        tmp.unlink()  # a leftover (or a planted symlink): never written through
+    except FileNotFoundError:
+        pass
+    fd = _open_private(tmp, os.O_WRONLY)
+    try:
+        os.write(fd, json.dumps({"start": [str(a) for a in argv]}).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, rec)
+
+
+def read_start_args(folder: Path) -> list:
+    """The options ``write_start_args`` recorded. Raises FileNotFoundError
+    when there are none, ``Untrusted`` for a file that is not a regular
+    0600 file of ours (a symlink is never followed), ValueError when its
+    content is not what we write."""
+    path = start_args_path(folder)
+    try:
+        fd = os.open(path, os.O_RDONLY | SAFE_OPEN)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Untrusted(f"{path} is a symlink; iod follows none") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"{path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise Untrusted(f"{path} is owned by uid {st.st_uid}, not by you")
+        if st.st_mode & 0o077:
+            raise Untrusted(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0600")
+        data = os.read(fd, START_ARGS_MAX + 1)
+    finally:
+        os.close(fd)
+    try:
+        if len(data) > START_ARGS_MAX:
+            raise ValueError("too long")
+        argv = json.loads(data)["start"]
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise ValueError("not a list of options")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} does not hold start options ({e})") from None
+    return argv
+
+
 def _read_record(rec: Path) -> list:
     """The segment names ``arena.name`` holds (none if it is not a plain file)."""
     try:
@@ -133,8 +192,9 @@ def _segment_owner_ok(name: str) -> bool:
 def sweep_stale(folder: Path, sock: Path, unlink) -> list:
     """Remove what dead daemons left: the segment named in arena.name (its
     daemon is gone: we hold the lock) and, where /dev/shm is listable,
-    our-prefixed segments of ours whose pid is dead; the socket. Another
-    user's segment under our prefix is left alone and never blocks a start.
+    our-prefixed segments of ours whose pid is dead; the socket, arena.name
+    and the start options. Another user's segment under our prefix is left
+    alone and never blocks a start.
     Call only while holding the lock. Returns the names removed."""
     record = paths.arena_record_path(folder)
     candidates = {}  # name -> True when named by our own arena.name
@@ -156,7 +216,7 @@ def sweep_stale(folder: Path, sock: Path, unlink) -> list:
                 removed.append(name)
         except OSError:
             pass  # not ours to remove after all: it cannot block our start
-    for p in (record, Path(sock)):
+    for p in (record, Path(sock), start_args_path(folder)):
         try:
             p.unlink()
         except FileNotFoundError:

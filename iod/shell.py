@@ -30,7 +30,14 @@ from .core import Config, Core
 
 MAX_CONNECTIONS = 1024  # peers connected at once; more are refused at the handshake
 STOP_READS_S = 10.0  # a stop waits this long for the reads in flight
-REPLY_HWM = 256  # replies queued for one peer that does not read; more are dropped
+# Replies queued in the daemon for one peer, then dropped for it. They queue
+# here only once the peer's own libzmq has 1000 unread (its RCVHWM) and the
+# kernel's buffers are full, which a session (one call in flight) never has:
+# so this bounds the memory a peer that does not read costs, and nothing else.
+REPLY_HWM = 16
+REQUEST_HWM = 1024  # requests queued for us per peer (we read every loop turn)
+FD_LIMIT_MAX = 1 << 20  # the descriptor limit we raise to, when the hard limit allows
+FD_RESERVE_MIN = 64  # descriptors kept beside the connections: blobs, pidfds, pipes, libzmq's
 
 
 class Shell:
@@ -55,7 +62,15 @@ class Shell:
     def open(self):
         """Create the arena, the reader pool and bind the socket (lock held)."""
         cfg = self.cfg
-        _raise_fd_limit()
+        # every connection costs a descriptor, and libzmq aborts (an assert in
+        # ipc_listener.cpp) when accept() meets EMFILE: take a high limit and
+        # keep the connection cap a quarter below it
+        fd_limit = _raise_fd_limit()
+        cap = min(self.max_connections, fd_limit - max(fd_limit // 4, FD_RESERVE_MIN))
+        if cap < self.max_connections:
+            print(f"iod: --max-connections {self.max_connections} lowered to {max(cap, 1)}: "
+                  f"the descriptor limit is {fd_limit}", file=sys.stderr, flush=True)
+            self.max_connections = max(cap, 1)
         self.arena = arena_mod.Arena(None, cfg.arena_size, self.prefault)  # fresh names
         self.shm_name = self.arena.name
         runtime.write_arena_record(self.folder, self.arena.name, self.arena.pins_name)
@@ -81,7 +96,7 @@ class Shell:
         self.sock.setsockopt(zmq.MAXMSGSIZE, codec.MAX_MESSAGE_BYTES * 2)
         # bounded per peer: a session that stops reading loses replies, not our memory
         self.sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
-        self.sock.setsockopt(zmq.RCVHWM, 4 * REPLY_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, REQUEST_HWM)
         self.sock.setsockopt(zmq.LINGER, 500)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         old = os.umask(0o077)
@@ -179,6 +194,10 @@ class Shell:
                 req = self.zap.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            # libzmq queues a connection's ACCEPTED event before its ZAP
+            # request: counting them first, the count includes this one and
+            # every connection before it (admitted or still in its handshake)
+            self._drain_monitor()
             cred = _zap_peer(req[3] if len(req) > 3 else b"")
             rid = req[1] if len(req) > 1 else b""
             if cred is not None and cred[0] != os.getuid():
@@ -268,16 +287,21 @@ class Shell:
                 pass
 
 
-def _raise_fd_limit():
-    """Connections cost a descriptor each: take the hard limit (up to 64K)
-    so the connection cap, not EMFILE inside libzmq, is what refuses."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = min(hard if hard != resource.RLIM_INFINITY else 65536, 65536)
-        if soft < want:
+def _raise_fd_limit() -> int:
+    """Connections cost a descriptor each: raise the soft limit to the hard
+    one (at most FD_LIMIT_MAX); returns the limit now in force. macOS refuses
+    more than OPEN_MAX (10240) whatever the hard limit says: then that."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = FD_LIMIT_MAX if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_MAX)
+    for want in (top, 10240):
+        if soft >= want:
+            break
+        try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError):
-        pass
+            return want
+        except (ValueError, OSError):
+            continue
+    return soft
 
 
 def _drain_fd(fd):
