@@ -1,0 +1,229 @@
+"""``--draft auto``: draft only where it pays, decided from measured costs.
+
+Drafting with drafter X and K drafts per pass pays when the tokens a pass
+commits outweigh what the pass costs, in units of one plain decoding step
+(t1, measured on the plain steps):
+
+    speedup(X, K) = sum(tokens per pass) / sum(cost per pass)
+    cost = T(k) / t1 + k * c(X)      (k = drafts proposed, at most K)
+
+- ``T(k)``: the measured wall time of a verify pass over k+1 tokens, its
+  reads (the union of the batch's experts, once) and rollback included;
+  for a k not measured yet, ``1 + beta * k`` with beta fitted on the
+  measured passes. Measurements go stale after ``FRESH`` tokens.
+- ``c(X)``: the drafter's own time per drafted token, over t1 (n-gram: ~0).
+- tokens per pass: 1 + the drafts accepted. Acceptance comes from every
+  proposal checked against the tokens that followed it: the real passes',
+  and shadow proposals made during plain steps (every step for n-gram,
+  whose lookups cost nothing; for MTP within ``SHADOW_FRACTION`` of the
+  decode time).
+
+No pass is spent to learn ``T(k)`` unless the acceptance seen says drafting
+would pay even if a verify pass cost only one plain step, and then only
+while what such probes lost stays under ``LOSS_FRACTION`` of the decode
+time (plus one step). So where drafting cannot pay (no repetition for the
+n-gram drafter, an untrained MTP head) auto costs the shadow lookups only,
+and where a probe shows that the verify costs too much it turns off after
+one pass. While drafting, each pass re-measures T(k) and the acceptance,
+and the plain step time is re-measured every ``T1_FRESH`` tokens.
+"""
+
+import statistics
+from collections import deque
+
+
+class AutoPolicy:
+    WINDOW = 48  # recent proposals per drafter the acceptance is taken from
+    MIN_PROPOSALS = 6  # before a drafter is judged
+    MARGIN = 0.05  # predicted speedup must exceed 1 + MARGIN to draft
+    LOSS_FRACTION = 0.015  # of the decode time, what probes may lose
+    SHADOW_FRACTION = 0.015  # of the decode time, what costly shadow proposals may take
+    FRESH = 256  # committed tokens a verify-cost measurement stays valid
+    T1_FRESH = 64  # while drafting, tokens until the plain step is measured again
+    CHUNK = 8  # plain steps per chunk (pipelined, as mlx-lm's generate_step)
+    REFRESH = 4  # plain steps that re-measure t1 while drafting
+
+    def __init__(self, k_max, drafters, prior_beta=1.0):
+        """``drafters``: {name: True if its proposals cost model time (MTP)}."""
+        self.k_max = max(1, int(k_max))
+        self.costly = dict(drafters)
+        self.prior_beta = prior_beta
+        self.outcomes = {n: deque(maxlen=self.WINDOW) for n in drafters}  # (length, accepted)
+        self.pending = []  # shadow proposals: (name, first index, proposal)
+        self.history = []  # committed tokens since decoding began
+        self.t1 = deque(maxlen=16)  # (seconds per plain step, committed at)
+        self.passes = deque(maxlen=24)  # (k, T / t1, committed at)
+        self.draft_cost = {n: (None if c else 0.0) for n, c in drafters.items()}  # s / token
+        self.decode_s = 0.0
+        self.shadow_s = 0.0
+        self.probe_loss = 0.0
+        self.state = ("plain",)
+        self.last_t1_at = 0
+        self.log = []
+
+    # -- what the decoder reports ----------------------------------------------
+
+    def tokens(self, new):
+        """Committed tokens, in order: resolves the shadow proposals."""
+        self.history.extend(int(t) for t in new)
+        n = len(self.history)
+        keep = []
+        for name, start, prop in self.pending:
+            a = 0
+            while a < len(prop) and start + a < n and self.history[start + a] == prop[a]:
+                a += 1
+            if a == len(prop) or start + a < n:  # all seen, or a mismatch seen
+                self.outcomes[name].append((len(prop), a))
+            else:
+                keep.append((name, start, prop))
+        self.pending = keep
+
+    def shadow_k(self, name):
+        """Drafts to propose in shadow now (0: none): n-gram at every
+        step, a costly drafter while its share of the time allows."""
+        if not self.costly.get(name):
+            return self.k_max
+        t1 = self.plain_time()
+        cost = self.draft_cost[name]
+        est = (cost * self.k_max) if cost is not None else (t1 or 0.0)
+        allowance = self.SHADOW_FRACTION * self.decode_s + (t1 or 0.0)
+        return self.k_max if self.shadow_s + est <= allowance else 0
+
+    def shadow(self, name, proposal, seconds):
+        self.shadow_s += seconds
+        self._draft_time(name, seconds, len(proposal))
+        if proposal:
+            self.pending.append((name, len(self.history), [int(t) for t in proposal]))
+        else:
+            self.outcomes[name].append((0, 0))
+
+    def plain(self, seconds, n):
+        """``n`` plain steps took ``seconds`` (shadow time excluded)."""
+        self.decode_s += seconds
+        if n > 0:
+            self.t1.append((seconds / n, len(self.history)))
+            self.last_t1_at = len(self.history)
+
+    def other(self, seconds):
+        """Decode time that measures nothing (a pass with nothing drafted)."""
+        self.decode_s += seconds
+
+    def draft_pass(self, name, k, accepted, seconds, draft_seconds, committed_tokens, probe):
+        """A verify pass of ``k`` drafts from ``name`` (``accepted`` of them)."""
+        self.decode_s += seconds + draft_seconds
+        self.outcomes[name].append((k, accepted))
+        self._draft_time(name, draft_seconds, k)
+        t1 = self.plain_time()
+        if t1 and k:
+            self.passes.append((k, seconds / t1, len(self.history)))
+        if probe and t1:
+            self.probe_loss += seconds + draft_seconds - committed_tokens * t1
+
+    def _draft_time(self, name, seconds, k):
+        if k and self.costly.get(name):
+            per = seconds / k
+            old = self.draft_cost[name]
+            self.draft_cost[name] = per if old is None else 0.7 * old + 0.3 * per
+
+    # -- estimates -------------------------------------------------------------
+
+    def plain_time(self):
+        return statistics.median(s for s, _ in self.t1) if self.t1 else None
+
+    def verify_ratio(self, k):
+        """(T(k) / t1, measured at this k) from fresh passes, or (None, False)."""
+        now = len(self.history)
+        fresh = [(kk, r) for kk, r, at in self.passes if now - at <= self.FRESH]
+        own = [r for kk, r in fresh if kk == k]
+        if len(own) >= 2 or (own and len(fresh) == len(own)):
+            return statistics.median(own), True
+        if not fresh:
+            return None, False
+        beta = statistics.median((r - 1.0) / kk for kk, r in fresh)
+        return 1.0 + max(beta, 0.0) * k, False
+
+    def predict(self, name, K, ratio):
+        """Predicted speedup of drafting K with ``name``; ``ratio(k)`` gives T(k)/t1."""
+        t1 = self.plain_time()
+        c = (self.draft_cost[name] or 0.0) / t1 if t1 else 0.0
+        tokens = cost = 0.0
+        for length, a in self.outcomes[name]:
+            k = min(length, K)
+            if k == 0:
+                tokens += 1.0
+                cost += 1.0
+            else:
+                tokens += 1.0 + min(a, k)
+                cost += ratio(k) + c * k
+        return tokens / cost if cost else 0.0
+
+    # -- the decision ----------------------------------------------------------
+
+    def next(self, remaining):
+        """What to do next: ("plain", steps) or ("draft", name, K, probe)."""
+        t1 = self.plain_time()
+        drafting = self.state[0] == "draft"
+        if t1 is None or len(self.t1) < 2:
+            return self._plain(remaining)
+        if drafting and len(self.history) - self.last_t1_at >= self.T1_FRESH:
+            return self._plain(remaining, self.REFRESH)
+        best, probe = (1.0 + self.MARGIN, None), None
+        for name, outs in self.outcomes.items():
+            if len(outs) < self.MIN_PROPOSALS:
+                continue
+            for K in range(1, self.k_max + 1):
+                r, measured = self.verify_ratio(K)
+                if r is not None:
+                    s = self.predict(name, K, lambda k: self.verify_ratio(k)[0])
+                    if s > best[0]:
+                        best = (s, (name, K))
+                if not measured:
+                    # what it could give if a verify pass cost one plain step
+                    s_opt = self.predict(name, K, lambda k: 1.0)
+                    if probe is None or s_opt > probe[0]:
+                        probe = (s_opt, (name, K))
+        if best[1] is not None:
+            # a probe only where even its best case beats the measured choice
+            if probe is None or probe[0] <= best[0] * (1.0 + self.MARGIN) or not self._may_probe():
+                return self._draft(*best[1], best[0], False)
+        if probe is not None and probe[0] > max(best[0], 1.0 + self.MARGIN) and self._may_probe():
+            return self._draft(*probe[1], probe[0], True)
+        return self._plain(remaining)
+
+    def _may_probe(self):
+        t1 = self.plain_time() or 0.0
+        return self.probe_loss <= self.LOSS_FRACTION * self.decode_s + t1
+
+    def _plain(self, remaining, n=None):
+        if self.state[0] != "plain":
+            self._note("plain", None, None, None)
+        self.state = ("plain",)
+        return ("plain", max(1, min(n or self.CHUNK, remaining)))
+
+    def _draft(self, name, K, predicted, probe):
+        if self.state != ("draft", name, K) or probe:
+            self._note("probe" if probe else "draft", name, K, predicted)
+        self.state = ("draft", name, K)
+        return ("draft", name, K, probe)
+
+    def _note(self, what, name, K, predicted):
+        t1 = self.plain_time()
+        entry = {"at": len(self.history), "do": what, "drafter": name, "k": K,
+                 "t1_s": t1, "predicted_speedup": predicted}
+        if K:
+            entry["verify_ratio"] = self.verify_ratio(K)[0]
+        if name:
+            outs = self.outcomes[name]
+            entry["acceptance"] = (sum(a for _, a in outs) / max(sum(l for l, _ in outs), 1))
+        self.log.append(entry)
+
+    def summary(self):
+        return {
+            "t1_s": self.plain_time(),
+            "verify_ratio": {k: self.verify_ratio(k)[0] for k in range(1, self.k_max + 1)},
+            "draft_cost_s": dict(self.draft_cost),
+            "shadow_s": self.shadow_s,
+            "probe_loss_s": self.probe_loss,
+            "decode_s": self.decode_s,
+            "decisions": self.log,
+        }
