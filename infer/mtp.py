@@ -75,10 +75,12 @@ def _hf_norms(weights, metadata):
     return conv == "hf"
 
 
-def load_mtp(model_dir, model, store=None, manifest=None):
+def load_mtp(model_dir, model, store=None, manifest=None, experts=None):
     """The MTP head of ``model`` (an mlx-lm qwen3_next Model) from ``model_dir``.
 
-    Its experts stream through ``store`` when ``manifest`` has their blob.
+    Its experts stream through ``store`` when ``manifest`` has their blob;
+    ``experts`` ({tensor name: array}, e.g. read from that blob) loads them
+    resident instead.
     """
     from .streaming import patch_model
 
@@ -87,6 +89,8 @@ def load_mtp(model_dir, model, store=None, manifest=None):
         raise MTPError(f"{model_dir} has no MTP head ({MTP_FILE} of a qwen3_next model)")
     config = json.loads((model_dir / "config.json").read_text())
     weights, metadata = mx.load(str(model_dir / MTP_FILE), return_metadata=True)
+    if experts:
+        weights = {**weights, **experts}
     ids = {int(k.split(".")[2]) for k in weights if k.startswith("mtp.layers.")}
     num_layers = config.get("mtp_num_hidden_layers", max(ids, default=0) + 1)
 

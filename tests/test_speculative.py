@@ -509,3 +509,75 @@ def test_cli_every_draft_same_ids_through_iod(prep_model):
         d = outs[draft]["stats"]["draft"]
         assert d["kind"] == draft and d["verify"] == "exact" and d["k"] == 3
     assert outs["mtp"]["stats"]["draft"]["drafted"] > 0
+
+
+# -- infer bench --draft -------------------------------------------------------
+
+DRAFT_KEYS = ("kind", "k", "accept_len", "decode_tok_s", "baseline_decode_tok_s", "speedup",
+              "bytes_read_per_token", "exact")
+
+
+def _bench(prep, tmp_path, *args):
+    import json
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "infer.cli", "bench", "--model", str(prep), "--runs", "1",
+         "--max-tokens", "4", "--dtype", "float32", "--draft-warmup", "4", "--json", str(out),
+         *args],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text()), r.stdout
+
+
+def test_bench_draft_ngram(prep_model, tmp_path):
+    """The "draft" object of the issue, every configuration's figures, the
+    ids of plain greedy decoding, and the bitwise check of batched passes."""
+    report, stdout = _bench(prep_model("qwen3_moe"), tmp_path, "--modes", "sync", "--draft", "ngram",
+                            "--num-draft", "1,3", "--draft-tokens", "24", "--prompt", "@code",
+                            "--draft-check")
+    d = report["modes"]["sync"]["draft"]
+    for key in DRAFT_KEYS:
+        assert key in d, key
+    assert d["kind"] == "ngram" and d["exact"] is True and d["verify"] == "exact"
+    assert d["k"] in (1, 3) and d["tokens"] == 24
+    assert [c["k"] for c in d["configs"]] == [1, 3] and all(c["exact"] for c in d["configs"])
+    assert d["bytes_read_per_token"] > 0 and d["baseline_bytes_read_per_token"] > 0
+    assert d["configs"][1]["union"]["experts_asked"] >= d["configs"][1]["union"]["experts_fetched"]
+    for verify in ("batched", "rowwise"):
+        c = d["check"]["1"][verify]
+        assert c["rows"] == 24 and c["rows_bitwise_different"] == 0
+    assert "speedup" in stdout
+
+
+def test_bench_draft_mtp_resident_and_streamed(prep_model, tmp_path):
+    """MTP through the resident model (its head's experts read from the blob)
+    and through streaming, lockstep and row-wise verify: ids equal."""
+    report, _ = _bench(prep_model("qwen3_next"), tmp_path, "--modes", "resident,sync", "--draft", "mtp",
+                       "--num-draft", "2", "--verify", "exact,rowwise", "--draft-tokens", "16")
+    for mode in ("resident", "sync"):
+        d = report["modes"][mode]["draft"]
+        assert d["kind"] == "mtp" and d["exact"] is True and d["verify"] == "exact"
+        assert {c["verify"] for c in d["configs"]} == {"exact", "rowwise"}
+        assert all(c["exact"] and c["drafted"] > 0 for c in d["configs"])
+
+
+def test_bench_draft_auto_without_repetition(prep_model, tmp_path):
+    report, _ = _bench(prep_model("qwen3_moe"), tmp_path, "--modes", "sync", "--draft", "auto",
+                       "--num-draft", "4", "--draft-tokens", "32", "--prompt", "@free")
+    d = report["modes"]["sync"]["draft"]
+    assert d["kind"] == "auto" and d["exact"] is True
+    assert d["configs"][0]["draft_passes"] == 0  # it never verified a draft
+
+
+def test_bench_draft_refuses_bad_arguments(prep_model):
+    from infer import bench_draft, speculative
+    from infer.bench import main
+
+    assert bench_draft.VERIFY == speculative.VERIFY
+
+    assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "mtp"]) == 2
+    assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "ngram", "--verify", "fast"]) == 2
+    assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "ngram", "--num-draft", "0"]) == 2
+    assert main(["--model", str(prep_model("qwen3_moe")), "--prompt", "@nope"]) == 2
