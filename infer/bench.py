@@ -333,7 +333,7 @@ def worker(args) -> dict:
 
     from .run import encode_prompt
 
-    prompt_ids = encode_prompt(tokenizer, bench_draft.resolve_prompt(args.prompt))
+    prompt_ids = encode_prompt(tokenizer, bench_draft.resolve_prompt(args.prompt), args.raw_prompt)
     follow = None if args.free_run else forced_ids(tokenizer, args.max_tokens)
     arena = parse_size(args.arena) if args.arena else staging_arena_bytes(manifest, args.depth)
     runs, daemon_peak, daemon_read = [], 0, []
@@ -437,6 +437,8 @@ def _worker_argv(args, mode, out, extra=()):
             "--runs", str(args.runs), "--depth", str(args.depth), *extra]
     if args.free_run:
         argv.append("--free-run")
+    if args.raw_prompt:
+        argv.append("--raw-prompt")
     if args.arena:
         argv += ["--arena", str(args.arena)]
     if args.dtype:

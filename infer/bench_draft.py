@@ -26,9 +26,7 @@ VERIFY = ("exact", "rowwise", "batched")  # infer.speculative.VERIFY (not import
 # The prompt set (``--prompt @name``): repetitive code, a repeating list,
 # prose, and the bench's default sentence.
 PROMPTS = {
-    "code": "Continue this code:\n" + "".join(
-        f"def add_{i}(x):\n    return x + {i}\n\n" for i in range(8)
-    ),
+    "code": "".join(f"def add_{i}(x):\n    return x + {i}\n\n\n" for i in range(8)),
     "list": "Continue the list: " + ", ".join(["red", "green", "blue", "yellow"] * 6),
     "prose": (
         "The module provides a way of running tasks concurrently. A task is started "
@@ -76,6 +74,8 @@ def add_args(p):
                    help="tokens of the untimed warm-up of every configuration")
     p.add_argument("--draft-check", action="store_true",
                    help="also compare a batched pass's logits with one-token steps, bit for bit")
+    p.add_argument("--raw-prompt", action="store_true",
+                   help="the prompt as it is, without the chat template (base models, e.g. `infer train`'s)")
     p.add_argument("--run-index", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -216,7 +216,7 @@ def measure(args, mode, model, tokenizer, store, manifest, arena):
 
     from .run import encode_prompt
 
-    prompt_ids = encode_prompt(tokenizer, resolve_prompt(args.prompt))
+    prompt_ids = encode_prompt(tokenizer, resolve_prompt(args.prompt), args.raw_prompt)
     n = args.draft_tokens or args.max_tokens
     head = load_head(args, model, store, manifest)
     configs = [(args.draft, k, v) for v in parse_verify(args.verify) for k in parse_ks(args.num_draft)]
@@ -227,16 +227,28 @@ def measure(args, mode, model, tokenizer, store, manifest, arena):
                 return _plain(model, prompt_ids, tokens, store)
             return _drafted(model, prompt_ids, tokens, store, head, *config)
 
+    failed = {}  # a configuration that fails is reported, the others still run
     if args.draft_warmup > 1:  # kernels, buffers: what a first use costs
-        for c in [None] + configs:
-            one(c, min(args.draft_warmup, n))
+        one(None, min(args.draft_warmup, n))
+        for c in configs:
+            try:
+                one(c, min(args.draft_warmup, n))
+            except Exception as e:  # noqa: BLE001 - reported in the JSON
+                failed[c] = f"{type(e).__name__}: {e}"[:1000]
     base_ids, first = one(None, n)
     out = {"tokens": n, "prompt_tokens": len(prompt_ids), "baseline_ids": base_ids, "configs": []}
     for kind, k, verify in configs:
-        ids, figures = one((kind, k, verify), n)
+        entry = {"kind": kind, "k": k, "verify": verify}
+        try:
+            if (kind, k, verify) in failed:
+                raise RuntimeError(failed[(kind, k, verify)])
+            ids, figures = one((kind, k, verify), n)
+        except Exception as e:  # noqa: BLE001 - reported in the JSON
+            out["configs"].append({**entry, "error": f"{type(e).__name__}: {e}"[:1000]})
+            continue
         first_diff = next((i for i, (a, b) in enumerate(zip(ids, base_ids)) if a != b), None)
-        out["configs"].append({"kind": kind, "k": k, "verify": verify,
-                               "exact": ids == base_ids, "first_diff": first_diff, **figures})
+        out["configs"].append({**entry, "exact": ids == base_ids, "first_diff": first_diff,
+                               **figures})
         mx.clear_cache()
     ids, last = one(None, n)
     if ids != base_ids:
@@ -277,6 +289,11 @@ def merge(runs):
     merged = []
     for i, c in enumerate(runs[0]["configs"]):
         per = [r["configs"][i] for r in runs]
+        errors = [p["error"] for p in per if "error" in p]
+        if errors:
+            merged.append({"kind": c["kind"], "k": c["k"], "verify": c["verify"],
+                           "error": errors[0]})
+            continue
         ratios = [p["decode_tok_s"] / statistics.fmean(b["decode_tok_s"] for b in r["baseline"])
                   for p, r in zip(per, runs)]
         tok_s = [p["decode_tok_s"] for p in per]
@@ -293,7 +310,10 @@ def merge(runs):
             "first_diff": next((p["first_diff"] for p in per if p["first_diff"] is not None), None),
         })
         merged.append(m)
-    exact = [m for m in merged if m["verify"] == "exact"] or merged
+    ran = [m for m in merged if "error" not in m]
+    if not ran:
+        return {"error": merged[0]["error"] if merged else "no configuration", "configs": merged}
+    exact = [m for m in ran if m["verify"] == "exact"] or ran
     best = max(exact, key=lambda m: m["speedup"])
     out = {key: best[key] for key in ("kind", "k", "verify", "accept_len", "acceptance_rate",
                                       "decode_tok_s", "baseline_decode_tok_s", "speedup",
@@ -320,7 +340,7 @@ def not_exact(report):
     out = []
     for name, m in report["modes"].items():
         for c in m.get("draft", {}).get("configs", []):
-            if c["verify"] == "exact" and not c["exact"]:
+            if c["verify"] == "exact" and not c.get("exact", True):
                 out.append(f"{name}: {c['kind']} K={c['k']} (exact verify) differs from plain "
                            f"greedy decoding at token {c['first_diff']}")
     return out
@@ -334,6 +354,10 @@ def table(report):
         if not d:
             continue
         for c in d["configs"]:
+            if "error" in c:
+                rows.append((name, c["kind"], c["verify"], str(c["k"]), "failed: " + c["error"][:60])
+                            + ("",) * 8)
+                continue
             rows.append((
                 name, c["kind"], c["verify"], str(c["k"]), f"{c['accept_len']:.2f}",
                 f"{c['acceptance_rate']:.2f}", f"{c['decode_tok_s']:.2f}",
@@ -341,7 +365,8 @@ def table(report):
                 f"{c['speedup']:.2f} [{min(c['speedup_runs']):.2f}-{max(c['speedup_runs']):.2f}]",
                 f"{c['bytes_read_per_token'] / 1e6:.2f}",
                 f"{c['baseline_bytes_read_per_token'] / 1e6:.2f}",
-                f"{c['union']['saved_fraction']:.2f}", "yes" if c["exact"] else "NO"))
+                f"{c['union']['saved_fraction']:.2f}" if c["union"]["layer_calls"] else "-",
+                "yes" if c["exact"] else "NO"))
     if len(rows) == 1:
         return ""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -169,6 +169,15 @@ class MTPDrafter:
         self.pending.append((hidden, [int(t) for t in tokens]))
 
     def propose(self, k):
+        """Up to ``k`` draft tokens, as ints (one host sync for all)."""
+        drafts = self.propose_lazy(k)
+        if drafts is None:
+            return []
+        return [int(t) for t in drafts.tolist()]
+
+    def propose_lazy(self, k):
+        """``k`` draft tokens as an unevaluated array (None for k <= 0), so a
+        verify pass can take them without a host sync in between."""
         if self.speculative:
             for c in self.cache:
                 c.trim(self.speculative)
@@ -179,12 +188,16 @@ class MTPDrafter:
             self.pending = []
             out = self.head(hidden, self._embed(tokens), self.cache)
             self.last = out[:, -1:, :]
+        if k <= 0:
+            if self.last is not None:
+                mx.eval(self.last)  # the pending pairs are read now
+            return None
+        # a streamed head still syncs at its router, as any MoE layer
         drafts = []
         g = self.last
         for i in range(k):
             if i > 0:
-                g = self.head(g, self._embed(drafts[-1:]), self.cache)
+                g = self.head(g, self.model.model.embed_tokens(drafts[-1].reshape(1, 1)), self.cache)
                 self.speculative += 1
-            t = mx.argmax(self._logits(g)[0, -1], axis=-1)
-            drafts.append(int(t.item()))
-        return drafts
+            drafts.append(mx.argmax(self._logits(g)[0, -1], axis=-1))
+        return mx.stack(drafts)

@@ -8,15 +8,19 @@ commits outweigh what the pass costs, in units of one plain decoding step
     cost = T(k) / t1 + k * c(X)      (k = drafts proposed, at most K)
 
 - ``T(k)``: the measured wall time of a verify pass over k+1 tokens, its
-  reads (the union of the batch's experts, once) and rollback included;
+  reads (the union of the batch's experts, once) and rollback included,
+  per drafter (an MTP head's steps can run in the verify pass's graph);
   for a k not measured yet, ``1 + beta * k`` with beta fitted on the
-  measured passes. Measurements go stale after ``FRESH`` tokens.
+  drafter's measured passes. Measurements go stale after ``FRESH`` tokens.
 - ``c(X)``: the drafter's own time per drafted token, over t1 (n-gram: ~0).
 - tokens per pass: 1 + the drafts accepted. Acceptance comes from every
   proposal checked against the tokens that followed it: the real passes',
-  and shadow proposals made during plain steps (every step for n-gram,
-  whose lookups cost nothing; for MTP within ``SHADOW_FRACTION`` of the
-  decode time).
+  and shadow proposals made during plain steps (every step and K drafts
+  for n-gram, whose lookups cost nothing; one draft for MTP, within
+  ``SHADOW_FRACTION`` of the decode time). Where a proposal was cut by the
+  number asked for (a one-draft shadow, a pass of a smaller K) and all of
+  it was right, the drafts it did not make are counted as accepted with the
+  drafter's measured rate per position, until passes of that K measure it.
 
 No pass is spent to learn ``T(k)`` unless the acceptance seen says drafting
 would pay even if a verify pass cost only one plain step, and then only
@@ -48,11 +52,12 @@ class AutoPolicy:
         self.k_max = max(1, int(k_max))
         self.costly = dict(drafters)
         self.prior_beta = prior_beta
-        self.outcomes = {n: deque(maxlen=self.WINDOW) for n in drafters}  # (length, accepted)
+        # per drafter: (drafts asked for, proposed, accepted)
+        self.outcomes = {n: deque(maxlen=self.WINDOW) for n in drafters}
         self.pending = []  # shadow proposals: (name, first index, proposal)
         self.history = []  # committed tokens since decoding began
         self.t1 = deque(maxlen=16)  # (seconds per plain step, committed at)
-        self.passes = deque(maxlen=24)  # (k, T / t1, committed at)
+        self.passes = deque(maxlen=24)  # (drafter, k, T / t1, committed at)
         self.draft_cost = {n: (None if c else 0.0) for n, c in drafters.items()}  # s / token
         self.decode_s = 0.0
         self.shadow_s = 0.0
@@ -68,34 +73,35 @@ class AutoPolicy:
         self.history.extend(int(t) for t in new)
         n = len(self.history)
         keep = []
-        for name, start, prop in self.pending:
+        for name, start, asked, prop in self.pending:
             a = 0
             while a < len(prop) and start + a < n and self.history[start + a] == prop[a]:
                 a += 1
             if a == len(prop) or start + a < n:  # all seen, or a mismatch seen
-                self.outcomes[name].append((len(prop), a))
+                self.outcomes[name].append((asked, len(prop), a))
             else:
-                keep.append((name, start, prop))
+                keep.append((name, start, asked, prop))
         self.pending = keep
 
     def shadow_k(self, name):
-        """Drafts to propose in shadow now (0: none): n-gram at every
-        step, a costly drafter while its share of the time allows."""
+        """Drafts to propose in shadow now (0: none): K for n-gram at every
+        step, one for a costly drafter while its share of the time allows."""
         if not self.costly.get(name):
             return self.k_max
         t1 = self.plain_time()
         cost = self.draft_cost[name]
-        est = (cost * self.k_max) if cost is not None else (t1 or 0.0)
+        est = cost if cost is not None else (t1 or 0.0)
         allowance = self.SHADOW_FRACTION * self.decode_s + (t1 or 0.0)
-        return self.k_max if self.shadow_s + est <= allowance else 0
+        return 1 if self.shadow_s + est <= allowance else 0
 
-    def shadow(self, name, proposal, seconds):
+    def shadow(self, name, proposal, seconds, asked=None):
+        asked = len(proposal) if asked is None else asked
         self.shadow_s += seconds
         self._draft_time(name, seconds, len(proposal))
         if proposal:
-            self.pending.append((name, len(self.history), [int(t) for t in proposal]))
+            self.pending.append((name, len(self.history), asked, [int(t) for t in proposal]))
         else:
-            self.outcomes[name].append((0, 0))
+            self.outcomes[name].append((asked, 0, 0))
 
     def plain(self, seconds, n):
         """``n`` plain steps took ``seconds`` (shadow time excluded)."""
@@ -108,14 +114,16 @@ class AutoPolicy:
         """Decode time that measures nothing (a pass with nothing drafted)."""
         self.decode_s += seconds
 
-    def draft_pass(self, name, k, accepted, seconds, draft_seconds, committed_tokens, probe):
-        """A verify pass of ``k`` drafts from ``name`` (``accepted`` of them)."""
+    def draft_pass(self, name, k, accepted, seconds, draft_seconds, committed_tokens, probe,
+                   asked=None):
+        """A verify pass of ``k`` drafts from ``name`` (``accepted`` of them;
+        ``asked``: the K of the pass)."""
         self.decode_s += seconds + draft_seconds
-        self.outcomes[name].append((k, accepted))
+        self.outcomes[name].append((k if asked is None else asked, k, accepted))
         self._draft_time(name, draft_seconds, k)
         t1 = self.plain_time()
         if t1 and k:
-            self.passes.append((k, seconds / t1, len(self.history)))
+            self.passes.append((name, k, seconds / t1, len(self.history)))
         if probe and t1:
             self.probe_loss += seconds + draft_seconds - committed_tokens * t1
 
@@ -130,10 +138,11 @@ class AutoPolicy:
     def plain_time(self):
         return statistics.median(s for s, _ in self.t1) if self.t1 else None
 
-    def verify_ratio(self, k):
-        """(T(k) / t1, measured at this k) from fresh passes, or (None, False)."""
+    def verify_ratio(self, name, k):
+        """(T(k) / t1, measured at this k) from fresh passes of ``name``, or
+        (None, False)."""
         now = len(self.history)
-        fresh = [(kk, r) for kk, r, at in self.passes if now - at <= self.FRESH]
+        fresh = [(kk, r) for n, kk, r, at in self.passes if n == name and now - at <= self.FRESH]
         own = [r for kk, r in fresh if kk == k]
         if len(own) >= 2 or (own and len(fresh) == len(own)):
             return statistics.median(own), True
@@ -142,19 +151,32 @@ class AutoPolicy:
         beta = statistics.median((r - 1.0) / kk for kk, r in fresh)
         return 1.0 + max(beta, 0.0) * k, False
 
+    def rate(self, name):
+        """The drafter's acceptance per position (given the ones before it)."""
+        outs = self.outcomes[name]
+        tried = sum(min(a + 1, length) for _, length, a in outs)
+        return sum(a for _, _, a in outs) / tried if tried else 0.0
+
     def predict(self, name, K, ratio):
         """Predicted speedup of drafting K with ``name``; ``ratio(k)`` gives T(k)/t1."""
         t1 = self.plain_time()
         c = (self.draft_cost[name] or 0.0) / t1 if t1 else 0.0
+        p = self.rate(name)
         tokens = cost = 0.0
-        for length, a in self.outcomes[name]:
+        for asked, length, a in self.outcomes[name]:
             k = min(length, K)
             if k == 0:
                 tokens += 1.0
                 cost += 1.0
-            else:
-                tokens += 1.0 + min(a, k)
-                cost += ratio(k) + c * k
+                continue
+            acc = min(a, k)
+            if length == asked < K:
+                # cut by what was asked: a pass of K would draft K
+                if a == length:
+                    acc += sum(p**i for i in range(1, K - length + 1))
+                k = K
+            tokens += 1.0 + acc
+            cost += ratio(k) + c * k
         return tokens / cost if cost else 0.0
 
     # -- the decision ----------------------------------------------------------
@@ -162,7 +184,7 @@ class AutoPolicy:
     def next(self, remaining):
         """What to do next: ("plain", steps) or ("draft", name, K, probe)."""
         t1 = self.plain_time()
-        drafting = self.state[0] == "draft"
+        drafting = self.state[0] in ("draft", "probe")
         if t1 is None or len(self.t1) < 2:
             return self._plain(remaining)
         if drafting and len(self.history) - self.last_t1_at >= self.T1_FRESH:
@@ -172,9 +194,9 @@ class AutoPolicy:
             if len(outs) < self.MIN_PROPOSALS:
                 continue
             for K in range(1, self.k_max + 1):
-                r, measured = self.verify_ratio(K)
+                r, measured = self.verify_ratio(name, K)
                 if r is not None:
-                    s = self.predict(name, K, lambda k: self.verify_ratio(k)[0])
+                    s = self.predict(name, K, lambda k, n=name: self.verify_ratio(n, k)[0])
                     if s > best[0]:
                         best = (s, (name, K))
                 if not measured:
@@ -201,9 +223,10 @@ class AutoPolicy:
         return ("plain", max(1, min(n or self.CHUNK, remaining)))
 
     def _draft(self, name, K, predicted, probe):
-        if self.state != ("draft", name, K) or probe:
-            self._note("probe" if probe else "draft", name, K, predicted)
-        self.state = ("draft", name, K)
+        state = ("probe" if probe else "draft", name, K)
+        if self.state != state:
+            self._note(state[0], name, K, predicted)
+        self.state = state
         return ("draft", name, K, probe)
 
     def _note(self, what, name, K, predicted):
@@ -211,16 +234,16 @@ class AutoPolicy:
         entry = {"at": len(self.history), "do": what, "drafter": name, "k": K,
                  "t1_s": t1, "predicted_speedup": predicted}
         if K:
-            entry["verify_ratio"] = self.verify_ratio(K)[0]
+            entry["verify_ratio"] = self.verify_ratio(name, K)[0]
         if name:
-            outs = self.outcomes[name]
-            entry["acceptance"] = (sum(a for _, a in outs) / max(sum(l for l, _ in outs), 1))
+            entry["acceptance"] = self.rate(name)
         self.log.append(entry)
 
     def summary(self):
         return {
             "t1_s": self.plain_time(),
-            "verify_ratio": {k: self.verify_ratio(k)[0] for k in range(1, self.k_max + 1)},
+            "verify_ratio": {n: {k: self.verify_ratio(n, k)[0] for k in range(1, self.k_max + 1)}
+                             for n in self.outcomes},
             "draft_cost_s": dict(self.draft_cost),
             "shadow_s": self.shadow_s,
             "probe_loss_s": self.probe_loss,

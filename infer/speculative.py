@@ -40,6 +40,7 @@ drafting (which drafter, which K) from measured costs: ``infer.spec_policy``.
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -452,6 +453,7 @@ class _Decoder:
         self.verify = verify
         self.wave = Wavefront(self.forward, store, self.stream) if verify == "exact" else None
         self.rowwise = rowwise.RowwisePass(model) if verify == "rowwise" else None
+        self.union = [0, 0, 0]  # of the batched passes (see Wavefront.union)
         self.stats = SpecStats(verify=verify)
         self.pre = []  # accepted tokens to feed again (batched verify, recurrent caches)
         self.y = None  # the last committed token, not yet fed to the model
@@ -492,8 +494,11 @@ class _Decoder:
             for d in self.drafters.values():
                 if d.needs_hidden:
                     d.observe(mx.concatenate(hiddens, axis=1), prompt[1:] + [y])
+                    if self.policy is not None:
+                        d.propose(0)  # the head reads the prompt now, as part of the prefill
                 else:
                     d.observe(None, prompt + [y])
+        stats.prefill_s = time.perf_counter() - tic
         stats.store_start = stats.store_end = _store_stats(self.store)
         yield y, stats
         if y in self.eos or self.max_tokens <= 1:
@@ -511,7 +516,8 @@ class _Decoder:
             else:
                 new, stop = self.draft_pass(*action[1:])
             stats.store_end = _store_stats(self.store)
-            stats.union = list(self.wave.union) if self.wave else stats.union
+            stats.union = [a + b for a, b in zip(self.wave.union if self.wave else (0, 0, 0),
+                                                 self.union)]
             if self.policy is not None:
                 stats.auto = self.policy.summary()
             for t in new:
@@ -542,7 +548,7 @@ class _Decoder:
                 t0 = time.perf_counter()
                 prop = [int(t) for t in d.propose(k)]
                 dt = time.perf_counter() - t0
-                self.policy.shadow(name, prop, dt)
+                self.policy.shadow(name, prop, dt, asked=k)
                 self.stats.draft_s += dt
 
     def plain(self, n):
@@ -588,14 +594,16 @@ class _Decoder:
         return out, stop
 
     def _verify(self, inputs, ckpt):
-        """Logits (and hidden states) of the verify pass over ``inputs``."""
+        """Logits (and hidden states) of the verify pass over ``inputs`` (ints,
+        or an array whose drafts are not evaluated yet: batched passes only)."""
         from .rowwise import RowwiseUnsupported, grow_kv
 
         cache = self.cache
+        n = len(inputs) if isinstance(inputs, list) else inputs.size
         if self.rowwise is not None:
-            grow_kv(cache, len(inputs))
+            grow_kv(cache, n)
             try:
-                with self.rowwise:
+                with self.rowwise, self._counting_union(n):
                     logits, hidden = self.forward(mx.array(inputs)[None], cache)
                     mx.eval(logits)
                 return logits, hidden
@@ -608,12 +616,40 @@ class _Decoder:
                 self.verify = self.stats.verify = "exact"
                 self.wave = Wavefront(self.forward, self.store, self.stream)
         if self.wave is not None:
+            if not isinstance(inputs, list):
+                inputs = [int(t) for t in inputs.tolist()]
             rows = self.wave.run(inputs, cache)
             logits = mx.concatenate([r[0] for r in rows], axis=1)
             hidden = mx.concatenate([r[1] for r in rows], axis=1) if self.want_hidden else None
             return logits, hidden
-        grow_kv(cache, len(inputs))
-        return self.forward(mx.array(inputs)[None], cache)
+        grow_kv(cache, n)
+        with self._counting_union(n):
+            logits, hidden = self.forward(mx.array(inputs)[None], cache)
+            mx.eval(logits)
+        return logits, hidden
+
+    @contextmanager
+    def _counting_union(self, n):
+        """The union figures of a batched pass: one store call per MoE layer
+        fetches the union of the n tokens' experts, each token asked for its
+        top k (the lockstep's Wavefront counts them the same way)."""
+        store = self.store
+        if store is None:
+            yield
+            return
+        gather = store.gather
+
+        def counted(layer, wanted):
+            self.union[0] += 1
+            self.union[1] += len(wanted)
+            self.union[2] += n * store.routers.get(layer, (None, len(wanted)))[1]
+            return gather(layer, wanted)
+
+        store.gather = counted
+        try:
+            yield
+        finally:
+            del store.gather
 
     def draft_pass(self, name, k, probe=False):
         """Draft up to ``k`` tokens with ``name``, verify them, commit."""
@@ -624,25 +660,40 @@ class _Decoder:
         if k and not can_roll_back(cache, k + 1):
             k = 0
             stats.no_rollback_passes += 1
+        # drafts that a batched verify takes unevaluated: one host sync per pass
+        lazy = k > 0 and self.wave is None and hasattr(drafter, "propose_lazy")
         with mx.stream(self.stream):
             td = time.perf_counter()
-            drafts = [int(t) for t in drafter.propose(k)] if k > 0 else []
+            if lazy:
+                pending = drafter.propose_lazy(k)
+                drafts = [None] * k
+            else:
+                drafts = [int(t) for t in drafter.propose(k)] if k > 0 else []
             draft_s = time.perf_counter() - td
             stats.draft_s += draft_s
             if self.policy is not None:
                 # the other drafters' proposals here, to keep their acceptance known
                 for other, d in self.drafters.items():
                     if other != name and not d.needs_hidden:
-                        self.policy.shadow(other, [int(t) for t in d.propose(self.policy.k_max)], 0.0)
+                        k_max = self.policy.k_max
+                        self.policy.shadow(other, [int(t) for t in d.propose(k_max)], 0.0, k_max)
             self._feed_pre()
             inputs = [self.y] + drafts
             ckpt = CacheCheckpoint(cache) if drafts else None
-            if drafts:
+            if lazy:
+                y = mx.array([self.y], dtype=pending.dtype)
+                logits, hidden = self._verify(mx.concatenate([y, pending]), ckpt)
+            elif drafts:
                 logits, hidden = self._verify(inputs, ckpt)
             else:
                 logits, hidden = forward(mx.array(inputs)[None], cache)
             targets = _greedy(logits)
-            mx.eval(targets)
+            if lazy:
+                mx.eval(targets, pending)
+                drafts = [int(t) for t in pending.tolist()]
+                inputs = [self.y] + drafts
+            else:
+                mx.eval(targets)
             targets = [int(t.item()) for t in targets]
             a = 0
             while a < len(drafts) and drafts[a] == targets[a]:
@@ -672,7 +723,8 @@ class _Decoder:
         stats.decode_s += dt
         if self.policy is not None:
             if drafts:
-                self.policy.draft_pass(name, len(drafts), a, dt - draft_s, draft_s, len(new), probe)
+                self.policy.draft_pass(name, len(drafts), a, dt - draft_s, draft_s, len(new), probe,
+                                       asked=k)
             else:
                 self.policy.other(dt)
         return new, stop

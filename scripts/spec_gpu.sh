@@ -53,16 +53,21 @@ if ! "$PY" -c "import native._iodnative" 2>/dev/null; then
     log "building the native extension"
     "$PY" setup.py -q build_ext --inplace >>"$LOG" 2>&1 || { log "native build failed"; exit 1; }
 fi
-"$PY" - <<'EOF' 2>&1 | tee -a "$LOG"
+if ! "$PY" - >>"$LOG" 2>&1 <<'EOF'
 import mlx.core as mx, mlx_lm, platform
 print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "device", mx.default_device(),
       "python", platform.python_version())
 EOF
+then
+    log "$PY cannot import mlx / mlx-lm (see $LOG)"
+    exit 1
+fi
+tail -1 "$LOG" >&2
 [ -f "$PREP/mtp.safetensors" ] || log "warning: $PREP has no mtp.safetensors (the mtp steps will be refused)"
 
 dtype=()
 [ -n "${DTYPE:-}" ] && dtype=(--dtype "$DTYPE")
-common=(--model "$PREP" --max-tokens 8 --draft-tokens "$TOKENS" --draft-warmup 8 "${dtype[@]}")
+common=(--model "$PREP" --raw-prompt --max-tokens 8 --draft-tokens "$TOKENS" --draft-warmup 8 "${dtype[@]}")
 
 step() {  # name, then the bench arguments
     local name=$1; shift
@@ -99,6 +104,9 @@ for f in sorted(out.glob("*.json")):
             print(f"{f.stem:10s} {mode}: {m.get('error', m.get('skipped', 'no draft figures'))[:200]}")
             continue
         for c in d["configs"]:
+            if "error" in c:
+                print(f"{f.stem:10s} {mode:8s} {c['kind']:5s} {c['verify']:7s} K={c['k']} failed: {c['error'][:300]}")
+                continue
             print(f"{f.stem:10s} {mode:8s} {c['kind']:5s} {c['verify']:7s} K={c['k']} "
                   f"tok/pass {c['accept_len']:.2f} accept {c['acceptance_rate']:.2f} "
                   f"{c['decode_tok_s']:.1f} vs {c['baseline_decode_tok_s']:.1f} tok/s "

@@ -172,6 +172,10 @@ def test_verify_fetches_union_once(moe):
     assert stats.fed > stats.committed - 1  # drafts were verified
     calls, fetched, asked = stats.union
     assert calls > 0 and 0 < fetched <= asked
+    # the row-wise pass fetches the same unions, counted the same way
+    out, rw = spec(model, p, 16, draft="ngram", num_draft=3, store=store, verify="rowwise",
+                   drafter=OracleDrafter(greedy(model, p, 16), 3, len(p)))
+    assert rw.union[0] > 0 and 0 < rw.union[1] <= rw.union[2]
 
 
 # -- rollback ------------------------------------------------------------------
