@@ -58,7 +58,9 @@ class AutoPolicy:
         self.history = []  # committed tokens since decoding began
         self.t1 = deque(maxlen=16)  # (seconds per plain step, committed at)
         self.passes = deque(maxlen=24)  # (drafter, k, T / t1, committed at)
-        self.draft_cost = {n: (None if c else 0.0) for n, c in drafters.items()}  # s / token
+        # seconds per drafted token: recent samples per costly drafter (the
+        # median: a first, cold proposal must not stand for all of them)
+        self.draft_times = {n: deque(maxlen=8) for n, c in drafters.items() if c}
         self.decode_s = 0.0
         self.shadow_s = 0.0
         self.probe_loss = 0.0
@@ -86,15 +88,19 @@ class AutoPolicy:
     def shadow_k(self, name):
         """Drafts to propose in shadow now (0: none): K for n-gram at every
         step, one for a costly drafter while its share of the time allows."""
-        if not self.costly.get(name):
+        if name not in self.costly:
+            return 0  # a drafter this policy does not judge
+        if not self.costly[name]:
             return self.k_max
         t1 = self.plain_time()
-        cost = self.draft_cost[name]
+        cost = self.draft_cost(name)
         est = cost if cost is not None else (t1 or 0.0)
         allowance = self.SHADOW_FRACTION * self.decode_s + (t1 or 0.0)
         return 1 if self.shadow_s + est <= allowance else 0
 
     def shadow(self, name, proposal, seconds, asked=None):
+        if name not in self.costly:
+            return
         asked = len(proposal) if asked is None else asked
         self.shadow_s += seconds
         self._draft_time(name, seconds, len(proposal))
@@ -129,9 +135,15 @@ class AutoPolicy:
 
     def _draft_time(self, name, seconds, k):
         if k and self.costly.get(name):
-            per = seconds / k
-            old = self.draft_cost[name]
-            self.draft_cost[name] = per if old is None else 0.7 * old + 0.3 * per
+            self.draft_times[name].append(seconds / k)
+
+    def draft_cost(self, name):
+        """Seconds per drafted token (0 for a drafter that costs nothing,
+        None while unmeasured)."""
+        if not self.costly.get(name):
+            return 0.0
+        times = self.draft_times[name]
+        return statistics.median(times) if times else None
 
     # -- estimates -------------------------------------------------------------
 
@@ -160,7 +172,7 @@ class AutoPolicy:
     def predict(self, name, K, ratio):
         """Predicted speedup of drafting K with ``name``; ``ratio(k)`` gives T(k)/t1."""
         t1 = self.plain_time()
-        c = (self.draft_cost[name] or 0.0) / t1 if t1 else 0.0
+        c = (self.draft_cost(name) or 0.0) / t1 if t1 else 0.0
         p = self.rate(name)
         tokens = cost = 0.0
         for asked, length, a in self.outcomes[name]:
@@ -244,7 +256,7 @@ class AutoPolicy:
             "t1_s": self.plain_time(),
             "verify_ratio": {n: {k: self.verify_ratio(n, k)[0] for k in range(1, self.k_max + 1)}
                              for n in self.outcomes},
-            "draft_cost_s": dict(self.draft_cost),
+            "draft_cost_s": {n: self.draft_cost(n) for n in self.costly},
             "shadow_s": self.shadow_s,
             "probe_loss_s": self.probe_loss,
             "decode_s": self.decode_s,

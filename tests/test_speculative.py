@@ -585,3 +585,83 @@ def test_bench_draft_refuses_bad_arguments(prep_model):
     assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "ngram", "--verify", "fast"]) == 2
     assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "ngram", "--num-draft", "0"]) == 2
     assert main(["--model", str(prep_model("qwen3_moe")), "--prompt", "@nope"]) == 2
+
+
+# -- trained models (tests/models, from `infer train`) ------------------------
+
+
+def _trained(arch):
+    """A trained checkpoint of ``arch`` under tests/models (or the folder in
+    $INFER_TRAINED_MODELS), or None."""
+    import json
+    import os
+    from pathlib import Path
+
+    roots = [Path(__file__).parent / "models"]
+    if os.environ.get("INFER_TRAINED_MODELS"):
+        roots.insert(0, Path(os.environ["INFER_TRAINED_MODELS"]))
+    for root in roots:
+        for d in sorted(root.glob("*")) if root.is_dir() else []:
+            try:
+                config = json.loads((d / "config.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if config.get("model_type") == arch and (d / "train.json").exists():
+                return d
+    return None
+
+
+class GpuCostPolicy(AutoPolicy):
+    """Auto with the costs a GPU would have (a verify pass of K+1 tokens for
+    about one step, a head step for 1/20 of one), the acceptance its own:
+    is the trained head good enough to turn drafting on?"""
+
+    def shadow(self, name, proposal, seconds, asked=None):
+        t1 = self.plain_time() or seconds
+        super().shadow(name, proposal, 0.05 * t1 * len(proposal), asked)
+
+    def draft_pass(self, name, k, accepted, seconds, draft_seconds, committed, probe, asked=None):
+        t1 = self.plain_time()
+        super().draft_pass(name, k, accepted, t1 * (1 + 0.05 * k), 0.05 * t1 * k, committed, probe,
+                           asked)
+
+
+@pytest.fixture(scope="module")
+def trained_next(tmp_path_factory):
+    from infer.prep import prep
+
+    src = _trained("qwen3_next")
+    if src is None or not (src / "mtp.safetensors").exists():
+        pytest.skip("no trained qwen3_next with an MTP head under tests/models")
+    if (src / "manifest.json").exists():
+        return src
+    out = tmp_path_factory.mktemp("trained") / src.name
+    prep(src, out, progress=False)
+    return out
+
+
+def test_trained_mtp_head_is_accepted_and_turns_auto_on(trained_next):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from infer.bench_draft import PROMPTS
+    from infer.mtp import MTPDrafter, load_mtp
+    from shared.blob import Manifest
+
+    source = InprocSource(trained_next, arena=64 << 20)
+    model, tok, store = load_streaming(trained_next, source, cache_bytes=None, dtype=mx.float32)
+    head = load_mtp(trained_next, model, store, Manifest.load(trained_next))
+    p = tok.encode(PROMPTS["pycode"])
+    ref = greedy(model, p, 64)
+    out, stats = spec(model, p, 64, draft="mtp", num_draft=1, store=store, verify="rowwise",
+                      mtp=MTPDrafter(head, model))
+    assert out == ref
+    assert stats.accepted / stats.drafted > 0.3  # an untrained head accepts ~nothing
+    policy = GpuCostPolicy(3, {"mtp": True})
+    ref = greedy(model, p, 96)
+    out, stats = spec(model, p, 96, draft="auto", num_draft=3, store=store, verify="rowwise",
+                      mtp=MTPDrafter(head, model), policy=policy)
+    source.close()
+    assert out == ref
+    # probes first (one per K), then drafting: most of the tokens came from passes
+    assert any(d["drafter"] == "mtp" and d["do"] in ("probe", "draft") for d in stats.auto_log), stats.auto
+    assert stats.draft_passes >= 8 and stats.plain_steps < stats.committed / 2
