@@ -22,14 +22,18 @@ commits outweigh what the pass costs, in units of one plain decoding step
   it was right, the drafts it did not make are counted as accepted with the
   drafter's measured rate per position, until passes of that K measure it.
 
-No pass is spent to learn ``T(k)`` unless the acceptance seen says drafting
-would pay even if a verify pass cost only one plain step, and then only
-while what such probes lost stays under ``LOSS_FRACTION`` of the decode
-time (plus one step). So where drafting cannot pay (no repetition for the
-n-gram drafter, an untrained MTP head) auto costs the shadow lookups only,
-and where a probe shows that the verify costs too much it turns off after
-one pass. While drafting, each pass re-measures T(k) and the acceptance,
-and the plain step time is re-measured every ``T1_FRESH`` tokens.
+Passes spent to measure T(k) (probes) are limited: the first is one draft
+(the least a pass can lose), and only where the acceptance seen says
+drafting would pay even if a verify pass cost one plain step; a further K is
+probed only where the cost fitted on the first says it would pay; drafting
+itself needs two measurements of its K; and probes run only while what they
+lost stays under ``LOSS_FRACTION`` of the decode time (plus one step). So
+where nothing is accepted (no repetition for the n-gram drafter, an
+untrained MTP head) auto costs the shadow lookups only, and where the verify
+costs too much (K+1 one-token passes on a CPU) it costs one probe of one
+draft per ``FRESH`` tokens. While drafting, each pass re-measures T(k) and
+the acceptance, and the plain step time is re-measured every ``T1_FRESH``
+tokens.
 """
 
 import statistics
@@ -40,8 +44,9 @@ class AutoPolicy:
     WINDOW = 48  # recent proposals per drafter the acceptance is taken from
     MIN_PROPOSALS = 6  # before a drafter is judged
     MARGIN = 0.05  # predicted speedup must exceed 1 + MARGIN to draft
-    LOSS_FRACTION = 0.015  # of the decode time, what probes may lose
-    SHADOW_FRACTION = 0.015  # of the decode time, what costly shadow proposals may take
+    LOSS_FRACTION = 0.01  # of the decode time, what probes may lose
+    SHADOW_FRACTION = 0.01  # of the decode time, what costly shadow proposals may take
+    SHADOW_PRIOR = 0.25  # a costly drafter's step, in plain steps, until measured
     FRESH = 256  # committed tokens a verify-cost measurement stays valid
     T1_FRESH = 64  # while drafting, tokens until the plain step is measured again
     CHUNK = 8  # plain steps per chunk (pipelined, as mlx-lm's generate_step)
@@ -93,10 +98,11 @@ class AutoPolicy:
         if not self.costly[name]:
             return self.k_max
         t1 = self.plain_time()
+        if t1 is None:
+            return 0
         cost = self.draft_cost(name)
-        est = cost if cost is not None else (t1 or 0.0)
-        allowance = self.SHADOW_FRACTION * self.decode_s + (t1 or 0.0)
-        return 1 if self.shadow_s + est <= allowance else 0
+        est = cost if cost is not None else self.SHADOW_PRIOR * t1
+        return 1 if self.shadow_s + est <= self.SHADOW_FRACTION * self.decode_s else 0
 
     def shadow(self, name, proposal, seconds, asked=None):
         if name not in self.costly:
@@ -201,28 +207,36 @@ class AutoPolicy:
             return self._plain(remaining)
         if drafting and len(self.history) - self.last_t1_at >= self.T1_FRESH:
             return self._plain(remaining, self.REFRESH)
-        best, probe = (1.0 + self.MARGIN, None), None
+        floor = 1.0 + self.MARGIN
+        best, probe = (floor, None), (floor, None)
         for name, outs in self.outcomes.items():
             if len(outs) < self.MIN_PROPOSALS:
                 continue
+            if self.verify_ratio(name, 1)[0] is None:
+                # nothing measured: worth one pass of one draft (the least it
+                # can lose) if drafting would pay even at a plain step's cost
+                s = max(self.predict(name, K, lambda k: 1.0) for K in range(1, self.k_max + 1))
+                if s > probe[0]:
+                    probe = (s, (name, 1))
+                continue
             for K in range(1, self.k_max + 1):
-                r, measured = self.verify_ratio(name, K)
-                if r is not None:
-                    s = self.predict(name, K, lambda k, n=name: self.verify_ratio(n, k)[0])
+                s = self.predict(name, K, lambda k, n=name: self.verify_ratio(n, k)[0])
+                if self.confirmed(name, K):
                     if s > best[0]:
                         best = (s, (name, K))
-                if not measured:
-                    # what it could give if a verify pass cost one plain step
-                    s_opt = self.predict(name, K, lambda k: 1.0)
-                    if probe is None or s_opt > probe[0]:
-                        probe = (s_opt, (name, K))
-        if best[1] is not None:
-            # a probe only where even its best case beats the measured choice
-            if probe is None or probe[0] <= best[0] * (1.0 + self.MARGIN) or not self._may_probe():
-                return self._draft(*best[1], best[0], False)
-        if probe is not None and probe[0] > max(best[0], 1.0 + self.MARGIN) and self._may_probe():
+                elif s > probe[0]:
+                    probe = (s, (name, K))  # extrapolated: measure it before relying on it
+        if probe[1] is not None and probe[0] > best[0] * (1.0 + self.MARGIN) and self._may_probe():
             return self._draft(*probe[1], probe[0], True)
+        if best[1] is not None:
+            return self._draft(*best[1], best[0], False)
         return self._plain(remaining)
+
+    def confirmed(self, name, K):
+        """Whether T(K) of ``name`` rests on at least two fresh passes of K."""
+        now = len(self.history)
+        return sum(1 for n, k, _, at in self.passes
+                   if n == name and k == K and now - at <= self.FRESH) >= 2
 
     def _may_probe(self):
         t1 = self.plain_time() or 0.0

@@ -457,6 +457,10 @@ class _Decoder:
         self.stats = SpecStats(verify=verify)
         self.pre = []  # accepted tokens to feed again (batched verify, recurrent caches)
         self.y = None  # the last committed token, not yet fed to the model
+        # (next token, hidden, checkpoint): a plain step built past the end of
+        # a chunk so the pipeline does not drain at every decision of auto;
+        # taken back if the next pass drafts
+        self.ahead = None
 
     def observe(self, hidden, tokens):
         for d in self.drafters.values():
@@ -487,7 +491,6 @@ class _Decoder:
             y = int(y.item())
             if h is not None:
                 hiddens.append(h)
-        stats.prefill_s = time.perf_counter() - tic
         stats.committed = 1
         self.y = y
         with mx.stream(stream):
@@ -553,7 +556,8 @@ class _Decoder:
 
     def plain(self, n):
         """Up to ``n`` one-token steps, pipelined as in mlx-lm's generate_step
-        (the next step's graph is built before this step's token is read)."""
+        (the next step's graph is built before this step's token is read).
+        Under auto the step after the last is built too (``self.ahead``)."""
         stats, forward, cache = self.stats, self.forward, self.cache
         n = min(n, self.max_tokens - stats.committed)
         t0 = time.perf_counter()
@@ -561,12 +565,21 @@ class _Decoder:
         out, stop = [], False
         with mx.stream(self.stream):
             self._feed_pre()
-            logits, h = forward(mx.array([[self.y]]), cache)
-            nxt = _greedy(logits)[0]
-            mx.async_eval(nxt)
+            if self.ahead is not None:
+                nxt, h, ckpt = self.ahead
+                ckpt.stop()
+                self.ahead = None
+            else:
+                logits, h = forward(mx.array([[self.y]]), cache)
+                nxt = _greedy(logits)[0]
+                mx.async_eval(nxt)
             for i in range(n):
                 cur, cur_h = nxt, h
-                if i + 1 < n:
+                last = i + 1 == n
+                ahead = (last and self.policy is not None
+                         and stats.committed + 1 < self.max_tokens)
+                if not last or ahead:
+                    ckpt = CacheCheckpoint(cache) if ahead else None
                     logits, h = forward(cur[None], cache)
                     nxt = _greedy(logits)[0]
                     mx.async_eval(nxt)
@@ -580,18 +593,27 @@ class _Decoder:
                 self.y = t
                 if stop:
                     break
+                if ahead:
+                    self.ahead = (nxt, h, ckpt)
                 self.observe(cur_h, [t])
                 if self.policy is not None:
                     ts = time.perf_counter()
                     self._shadow()
                     shadow_s += time.perf_counter() - ts
-            mx.eval([c.state for c in cache])
         dt = time.perf_counter() - t0
         stats.decode_s += dt
         stats.drafting = False
         if self.policy is not None:
             self.policy.plain(dt - shadow_s, len(out))
         return out, stop
+
+    def _take_back_ahead(self):
+        """The next pass drafts: undo the plain step built ahead of it."""
+        if self.ahead is not None:
+            _, _, ckpt = self.ahead
+            ckpt.rollback(0)
+            ckpt.stop()
+            self.ahead = None
 
     def _verify(self, inputs, ckpt):
         """Logits (and hidden states) of the verify pass over ``inputs`` (ints,
@@ -656,6 +678,7 @@ class _Decoder:
         stats, forward, cache = self.stats, self.forward, self.cache
         drafter = self.drafters[name]
         t0 = time.perf_counter()
+        self._take_back_ahead()
         k = min(k, self.max_tokens - stats.committed - 1)
         if k and not can_roll_back(cache, k + 1):
             k = 0

@@ -347,7 +347,8 @@ def test_auto_policy_turns_off_where_verify_costs_a_step_per_token():
     p = AutoPolicy(3, {"ngram": False})
     t, n = _drive(p, REPEATING, 0.01, lambda k: 0.01 * (1 + k) * 1.05)
     probes = [d for d in p.log if d["do"] == "probe"]
-    assert probes and not [d for d in p.log if d["do"] == "draft"]
+    # one pass of one draft shows the cost; the fitted cost rules out every K
+    assert [d["k"] for d in probes] == [1] and not [d for d in p.log if d["do"] == "draft"]
     assert t <= 1.03 * n * 0.01
     assert p.probe_loss <= p.LOSS_FRACTION * p.decode_s + 0.01 + 1e-9
 
