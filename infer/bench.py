@@ -31,6 +31,7 @@ from pathlib import Path
 
 from shared.units import format_size, parse_size
 
+from . import bench_draft
 from .args import add_dtype, mx_dtype
 
 MODES = ("resident", "sync", "inproc", "iod")
@@ -66,6 +67,7 @@ def build_parser():
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--iod", default=None, help=argparse.SUPPRESS)
     p.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)
+    bench_draft.add_args(p)
     return p
 
 
@@ -190,34 +192,44 @@ def reset_store(store, keep_cache=False):
 # ---- the resident model -------------------------------------------------------------
 
 
-def load_resident(model_dir):
-    """mlx-lm's own model with all experts in memory, from a prep folder."""
+def blob_tensors(model_dir, layers):
+    """{module.projection.tensor: MLX array stacked over the experts} of
+    manifest ``layers``, read from their blobs."""
     import mlx.core as mx
     import numpy as np
+
+    from shared.blob import NUMPY_DTYPES
+
+    from .streaming import _MX_DTYPES
+
+    out = {}
+    for lay in layers:
+        raw = np.fromfile(Path(model_dir) / lay.file, dtype=np.uint8)
+        raw = raw[: lay.num_experts * lay.stride].reshape(lay.num_experts, lay.stride)
+        for s in lay.segments:
+            a = np.ascontiguousarray(raw[:, s.offset : s.offset + s.nbytes])
+            a = a.view(NUMPY_DTYPES[s.dtype]).reshape(lay.num_experts, *s.shape)
+            arr = mx.array(a)
+            if arr.dtype != _MX_DTYPES[s.dtype]:
+                arr = arr.view(_MX_DTYPES[s.dtype])
+            out[f"{lay.module}.{s.projection}.{s.tensor}"] = arr
+        del raw
+    return out
+
+
+def load_resident(model_dir):
+    """mlx-lm's own model with all experts in memory, from a prep folder."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_lm.utils import _get_classes, load_model
 
-    from shared.blob import NUMPY_DTYPES, Manifest
-
-    from .streaming import _MX_DTYPES
+    from shared.blob import Manifest
 
     model_dir = Path(model_dir)
     manifest = Manifest.load(model_dir)
 
     def experts():
-        out = {}
-        for lay in manifest.layers:
-            raw = np.fromfile(model_dir / lay.file, dtype=np.uint8)
-            raw = raw[: lay.num_experts * lay.stride].reshape(lay.num_experts, lay.stride)
-            for s in lay.segments:
-                a = np.ascontiguousarray(raw[:, s.offset : s.offset + s.nbytes])
-                a = a.view(NUMPY_DTYPES[s.dtype]).reshape(lay.num_experts, *s.shape)
-                arr = mx.array(a)
-                if arr.dtype != _MX_DTYPES[s.dtype]:
-                    arr = arr.view(_MX_DTYPES[s.dtype])
-                out[f"{lay.module}.{s.projection}.{s.tensor}"] = arr
-            del raw
-        return out
+        # an MTP head's experts belong to the head (bench_draft.load_head)
+        return blob_tensors(model_dir, [l for l in manifest.layers if not l.module.startswith("mtp.")])
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)
@@ -325,7 +337,7 @@ def worker(args) -> dict:
 
     from .run import encode_prompt
 
-    prompt_ids = encode_prompt(tokenizer, args.prompt)
+    prompt_ids = encode_prompt(tokenizer, bench_draft.resolve_prompt(args.prompt), args.raw_prompt)
     follow = None if args.free_run else forced_ids(tokenizer, args.max_tokens)
     arena = parse_size(args.arena) if args.arena else staging_arena_bytes(manifest, args.depth)
     runs, daemon_peak, daemon_read = [], 0, []
@@ -397,6 +409,8 @@ def worker(args) -> dict:
     if store is None:
         result.update({"stall_fraction": 0.0, "hit_rate": 1.0, "misses": 0, "belady_misses": 0,
                        "bytes_read_per_token": 0.0, "recall": None, "precision": None})
+        if args.draft != "none":
+            result["draft"] = bench_draft.measure(args, mode, model, tokenizer, None, manifest, arena)
         return result
     capacity = {l: s.capacity for l, s in store.stacks.items()}
     total = last["hits"] + last["misses"]
@@ -422,6 +436,8 @@ def worker(args) -> dict:
         # everything read from disk, prefetches that were never used included
         result["disk_bytes_read"] = daemon_read[-1]
         result["disk_bytes_read_per_token"] = daemon_read[-1] / max(args.max_tokens, 1)
+    if args.draft != "none":
+        result["draft"] = bench_draft.measure(args, mode, model, tokenizer, store, manifest, arena)
     return result
 
 
@@ -437,11 +453,13 @@ def _worker_argv(args, mode, out, extra=()):
         argv.append("--free-run")
     if args.warm:
         argv.append("--warm")
+    if args.raw_prompt:
+        argv.append("--raw-prompt")
     if args.arena:
         argv += ["--arena", str(args.arena)]
     if args.dtype:
         argv += ["--dtype", args.dtype]
-    return argv
+    return argv + bench_draft.worker_argv(args) + ["--run-index", str(args.run_index)]
 
 
 def run_mode(args, mode, tmp, tag="") -> dict:
@@ -570,6 +588,7 @@ def main(argv=None) -> int:
         cache_bytes = cache_bytes_of(args.budget, manifest.expert_bytes)
         if args.arena:
             parse_size(args.arena)
+        bench_draft.check_args(args)
     except (PrepFolderError, ValueError) as e:
         print(f"infer bench: {e}", file=sys.stderr)
         return 2
@@ -583,12 +602,16 @@ def main(argv=None) -> int:
               "expert_bytes": manifest.expert_bytes, "read_rate": args.read_rate * 1e6,
               "prompt": args.prompt, "max_tokens": args.max_tokens, "runs": args.runs,
               "teacher_forcing": not args.free_run, "depth": args.depth, "modes": {}}
+    if args.draft != "none":
+        report["draft"] = {"kind": args.draft, "num_draft": args.num_draft, "verify": args.verify,
+                           "tokens": args.draft_tokens or args.max_tokens}
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         # runs interleaved over the modes (one process each), so that a change
         # in the machine's load touches every mode alike
         one = argparse.Namespace(**{**vars(args), "runs": 1})
         runs = {m: [] for m in modes}
         for r in range(args.runs):
+            one.run_index = r
             for mode in modes:
                 if mode in report["modes"]:
                     continue  # skipped or failed
@@ -608,6 +631,7 @@ def main(argv=None) -> int:
             if mode not in report["modes"]:
                 try:
                     report["modes"][mode] = merge_runs(runs[mode])
+                    bench_draft.merge_into(report["modes"][mode], runs[mode])
                 except RuntimeError as e:
                     report["modes"][mode] = {"mode": mode, "error": str(e)}
         report["modes"] = {m: report["modes"][m] for m in modes}
@@ -630,6 +654,9 @@ def main(argv=None) -> int:
             report["sessions"] = {"n": args.sessions, "shared": shared, "private": private,
                                   "alone_decode_tok_s": alone}
     print(table(report))
+    draft_rows = bench_draft.table(report)
+    if draft_rows:
+        print(draft_rows)
     if "sessions" in report:
         s = report["sessions"]
         print(f"sessions {s['n']}: shared read {format_size(s['shared']['bytes_read'])}, "
@@ -641,6 +668,9 @@ def main(argv=None) -> int:
     if not report["tokens_equal"]:
         print("infer bench: the modes generated different tokens", file=sys.stderr)
         return 1
+    for line in bench_draft.not_exact(report):
+        print(f"infer bench: {line}", file=sys.stderr)
+        failed.append(line)
     return 1 if failed else 0
 
 

@@ -75,10 +75,12 @@ def _hf_norms(weights, metadata):
     return conv == "hf"
 
 
-def load_mtp(model_dir, model, store=None, manifest=None):
+def load_mtp(model_dir, model, store=None, manifest=None, experts=None):
     """The MTP head of ``model`` (an mlx-lm qwen3_next Model) from ``model_dir``.
 
-    Its experts stream through ``store`` when ``manifest`` has their blob.
+    Its experts stream through ``store`` when ``manifest`` has their blob;
+    ``experts`` ({tensor name: array}, e.g. read from that blob) loads them
+    resident instead.
     """
     from .streaming import patch_model
 
@@ -87,6 +89,8 @@ def load_mtp(model_dir, model, store=None, manifest=None):
         raise MTPError(f"{model_dir} has no MTP head ({MTP_FILE} of a qwen3_next model)")
     config = json.loads((model_dir / "config.json").read_text())
     weights, metadata = mx.load(str(model_dir / MTP_FILE), return_metadata=True)
+    if experts:
+        weights = {**weights, **experts}
     ids = {int(k.split(".")[2]) for k in weights if k.startswith("mtp.layers.")}
     num_layers = config.get("mtp_num_hidden_layers", max(ids, default=0) + 1)
 
@@ -165,6 +169,15 @@ class MTPDrafter:
         self.pending.append((hidden, [int(t) for t in tokens]))
 
     def propose(self, k):
+        """Up to ``k`` draft tokens, as ints (one host sync for all)."""
+        drafts = self.propose_lazy(k)
+        if drafts is None:
+            return []
+        return [int(t) for t in drafts.tolist()]
+
+    def propose_lazy(self, k):
+        """``k`` draft tokens as an unevaluated array (None for k <= 0), so a
+        verify pass can take them without a host sync in between."""
         if self.speculative:
             for c in self.cache:
                 c.trim(self.speculative)
@@ -175,12 +188,16 @@ class MTPDrafter:
             self.pending = []
             out = self.head(hidden, self._embed(tokens), self.cache)
             self.last = out[:, -1:, :]
+        if k <= 0:
+            if self.last is not None:
+                mx.eval(self.last)  # the pending pairs are read now
+            return None
+        # a streamed head still syncs at its router, as any MoE layer
         drafts = []
         g = self.last
         for i in range(k):
             if i > 0:
-                g = self.head(g, self._embed(drafts[-1:]), self.cache)
+                g = self.head(g, self.model.model.embed_tokens(drafts[-1].reshape(1, 1)), self.cache)
                 self.speculative += 1
-            t = mx.argmax(self._logits(g)[0, -1], axis=-1)
-            drafts.append(int(t.item()))
-        return drafts
+            drafts.append(mx.argmax(self._logits(g)[0, -1], axis=-1))
+        return mx.stack(drafts)

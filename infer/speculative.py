@@ -4,11 +4,12 @@ A drafter (n-gram prompt lookup, or Qwen3-Next's MTP head) proposes K tokens;
 the target model scores ``[last token] + drafts`` in one verify pass, the
 longest prefix that matches the target's greedy choice is committed plus the
 target's own next token, and the caches are rolled back to the last accepted
-token. Greedy (temperature 0) only.
+token. Greedy (temperature 0) only. Passes that draft nothing are plain
+one-token steps, pipelined as in mlx-lm's ``generate_step``.
 
-Two verify modes:
+Three verify modes (``verify=``):
 
-- ``exact=True`` (default): the K+1 tokens go through the model as K+1
+- ``"exact"`` (default): the K+1 tokens go through the model as K+1
   one-token forward passes, run in lockstep layer by layer (one thread per
   token, only one running at a time). At every MoE layer the experts of all
   K+1 tokens are fetched together, as one union request, and then each token
@@ -16,21 +17,30 @@ Two verify modes:
   decoding, so its logits are bit-identical to non-speculative decoding by
   construction. It saves reads and round trips (the union is fetched once,
   the IO of K+1 tokens is merged), not compute.
-- ``exact=False``: one batched forward pass over the K+1 tokens. Cheaper in
-  compute, but a kernel may accumulate differently for M>1 rows than for one,
-  so it is not exact by construction (see docs/speculative.md for the measured
-  mismatch rate).
+- ``"rowwise"``: one batched forward pass over the K+1 tokens, with the
+  operations known to compute a row differently in a batch (attention,
+  causal convolutions, the gated-delta recurrence, KV buffer growth) done
+  row by row as one-token decoding does them (``infer.rowwise``); the
+  recurrent state after every token is kept, so rollback is exact. Exact
+  where the backend's remaining kernels (quantized matrix-vector products,
+  gather_qmm, norms) compute each row on its own: measured, not assumed
+  (``infer bench --draft-check``).
+- ``"batched"``: one plain batched forward pass. Not exact by construction.
 
 Rollback: attention KV caches are trimmed; caches that cannot be trimmed
 (the Gated-DeltaNet conv and recurrent state in ``ArraysCache``, sliding-window
 ring buffers) record their state after every update during a verify and are
-put back to the one after the last accepted token (exact verify), or, after a
-batched pass, to the state before it, with the accepted tokens fed again at
-the start of the next pass.
+put back to the one after the last accepted token (lockstep and row-wise
+verify), or, after a plain batched pass, to the state before it, with the
+accepted tokens fed again at the start of the next pass.
+
+``draft="auto"`` decides before every pass between plain decoding and
+drafting (which drafter, which K) from measured costs: ``infer.spec_policy``.
 """
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -40,6 +50,7 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 from .ngram import NgramDrafter
 
 DRAFTS = ("none", "ngram", "mtp", "auto")
+VERIFY = ("exact", "rowwise", "batched")
 
 
 class _RecordingArraysCache(ArraysCache):
@@ -204,6 +215,8 @@ class Wavefront:
         self.forward = forward
         self.store = store
         self.stream = stream or shared_stream()
+        # MoE layer calls, experts fetched as unions, experts the tokens asked for
+        self.union = [0, 0, 0]
 
     def run(self, tokens, cache):
         n = len(tokens)
@@ -268,6 +281,9 @@ class Wavefront:
             if len(layers) != 1:
                 raise RuntimeError(f"wavefront out of step: layers {sorted(layers)}")
             union = sorted(set().union(*(w[1] for w in self._wanted)))
+            self.union[0] += 1
+            self.union[1] += len(union)
+            self.union[2] += sum(len(w[1]) for w in self._wanted)
             arrays, positions = type(self.store).gather(self.store, layer, np.array(union))
             self._fetched = (arrays, dict(zip(union, positions)))
         self._pass(j)
@@ -286,10 +302,11 @@ class SpecStats:
 
     draft: str = "none"
     k: int = 0
-    exact: bool = True
+    verify: str = "exact"
     prompt_tokens: int = 0
     committed: int = 0
-    passes: int = 0  # target-model passes while decoding
+    passes: int = 0  # target-model passes while decoding (plain steps included)
+    plain_steps: int = 0  # passes of one token (nothing drafted)
     draft_passes: int = 0  # passes that verified at least one drafted token
     drafted: int = 0
     accepted: int = 0
@@ -297,27 +314,35 @@ class SpecStats:
     accept_lens: list = field(default_factory=list)  # accepted drafts per draft pass
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # drafting (proposals), shadow proposals of auto included
     no_rollback_passes: int = 0  # passes not drafted: a cache could not roll back
-    drafting: bool = True  # the current decision of --draft auto
-    auto_log: list = field(default_factory=list)
-    store_start: dict = field(default_factory=dict)
+    drafting: bool = True  # whether the last pass drafted
+    union: list = field(default_factory=lambda: [0, 0, 0])  # see Wavefront.union
+    auto: dict = field(default_factory=dict)  # AutoPolicy.summary() of --draft auto
+    store_start: dict = field(default_factory=dict)  # the store's stats after the prefill
     store_end: dict = field(default_factory=dict)
 
+    @property
+    def auto_log(self):
+        return self.auto.get("decisions", [])
+
     def summary(self):
-        n = max(self.committed, 1)
         decoded = max(self.committed - 1, 0)
+        n = max(decoded, 1)
         d = {
             k: self.store_end.get(k, 0) - self.store_start.get(k, 0)
             for k in ("hits", "misses", "fetched_bytes")
         }
         lookups = d["hits"] + d["misses"]
+        calls, union, asked = self.union
         return {
             "kind": self.draft,
             "k": self.k,
-            "exact": self.exact,
+            "verify": self.verify,
             "tokens": self.committed,
             "passes": self.passes,
+            "plain_steps": self.plain_steps,
+            "draft_passes": self.draft_passes,
             # tokens committed per decode pass (the prefill's token excluded)
             "accept_len": decoded / max(self.passes, 1),
             "accepted_per_draft_pass": self.accepted / max(self.draft_passes, 1),
@@ -329,62 +354,17 @@ class SpecStats:
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "draft_s": self.draft_s,
+            # decode only: the prefill's reads are the same with or without drafting
             "experts_per_token": d["misses"] / n,
             "lookups_per_token": lookups / n,
             "hit_rate": d["hits"] / lookups if lookups else 0.0,
             "bytes_read_per_token": d["fetched_bytes"] / n,
+            # the verify batches' experts: asked for by their tokens, fetched as unions
+            "union": {"layer_calls": calls, "experts_fetched": union, "experts_asked": asked,
+                      "saved_fraction": 1.0 - union / asked if asked else 0.0},
             "no_rollback_passes": self.no_rollback_passes,
-            "auto": self.auto_log,
+            "auto": self.auto,
         }
-
-
-class AutoPolicy:
-    """``--draft auto``: keep drafting only while it costs less per token.
-
-    Probes ``probe`` plain one-token steps and ``probe`` drafting passes,
-    compares the measured wall time per committed token (which includes the
-    stalls of cache misses and the drafter's own cost), keeps the cheaper
-    for the next ``recheck`` tokens, then probes again.
-    """
-
-    def __init__(self, probe=6, recheck=96):
-        self.probe = probe
-        self.recheck = recheck
-        self.phase = "plain"
-        self.samples = {"plain": [], "draft": []}
-        self.until = 0
-        self.choice = True
-
-    def drafting(self, committed):
-        if self.phase == "decided":
-            if committed < self.until:
-                return self.choice
-            self.phase, self.samples = "plain", {"plain": [], "draft": []}
-        return self.phase == "draft"
-
-    def record(self, seconds, tokens, committed, log):
-        if self.phase == "decided":
-            return
-        key = self.phase
-        self.samples[key].append((seconds, tokens))
-        if len(self.samples[key]) < self.probe:
-            return
-        if key == "plain":
-            self.phase = "draft"
-            return
-        # skip the first sample of each phase: it pays the switch's warm-up
-        cost = {
-            k: sum(s for s, _ in v[1:]) / max(sum(t for _, t in v[1:]), 1)
-            for k, v in self.samples.items()
-        }
-        self.choice = cost["draft"] < cost["plain"]
-        self.phase, self.until = "decided", committed + self.recheck
-        log.append({
-            "at": committed,
-            "plain_s_per_token": cost["plain"],
-            "draft_s_per_token": cost["draft"],
-            "drafting": self.choice,
-        })
 
 
 def _store_stats(store):
@@ -403,116 +383,353 @@ def speculative_generate(
     eos_ids=(),
     prefill_step_size=2048,
     ngram_max=3,
-    auto_probe=6,
-    auto_recheck=96,
     drafter=None,
+    policy=None,
+    verify=None,
 ):
     """Greedy generation with drafting; yields ``(token id, SpecStats)``.
 
-    ``draft``: "none" | "ngram" | "mtp" | "auto" (n-gram lookup, or MTP when
-    ``mtp`` is given, switched off while it does not pay). ``mtp``: an
-    ``infer.mtp.MTPDrafter`` (required for "mtp"). ``drafter``: any object
-    with ``needs_hidden``, ``observe(hidden, tokens)`` and ``propose(k)``,
-    used instead of the built-in ones. ``store``: the model's
-    ExpertStore; with ``exact`` the verify fetches the union of the batch's
-    experts through it, and its stats give the bytes per token. The ids equal
-    non-speculative greedy decoding; with ``exact=False`` up to floating-point
-    differences of batched verification.
+    ``draft``: "none" | "ngram" | "mtp" | "auto". "auto" drafts with the
+    n-gram drafter and, when ``mtp`` is given, the MTP head, each only while
+    the measured costs say it pays (``infer.spec_policy.AutoPolicy``; pass
+    ``policy`` to use another one). ``mtp``: an ``infer.mtp.MTPDrafter``
+    (required for "mtp"). ``drafter``: any object with ``needs_hidden``,
+    ``observe(hidden, tokens)`` and ``propose(k)``, used instead of the
+    built-in ones. ``store``: the model's ExpertStore; the exact verify
+    fetches the union of the batch's experts through it, and its stats give
+    the bytes per token.
+
+    ``verify``: "exact" (default; the lockstep verify: the ids equal
+    non-speculative greedy decoding by construction), "rowwise" (one batched
+    pass whose rows are computed as one-token passes where the kernels are
+    known to differ: ``infer.rowwise``; falls back to "exact" for caches it
+    does not support) or "batched" (one plain batched pass). ``exact=False``
+    is "batched", for older callers.
     """
+    verify = verify or ("exact" if exact else "batched")
+    if verify not in VERIFY:
+        raise ValueError(f"unknown verify {verify!r} (choose from {', '.join(VERIFY)})")
     if draft not in DRAFTS:
         raise ValueError(f"unknown draft {draft!r} (choose from {', '.join(DRAFTS)})")
-    if draft == "mtp" and mtp is None:
+    if draft == "mtp" and mtp is None and drafter is None:
         raise ValueError("draft 'mtp' needs an MTP head")
-    if drafter is None:
-        use_mtp = mtp is not None and draft in ("mtp", "auto")
-        drafter = mtp if use_mtp else NgramDrafter(max_n=ngram_max)
-    use_mtp = drafter.needs_hidden
+    drafters = {}
+    if drafter is not None:
+        drafters["custom"] = drafter
+    elif draft in ("ngram", "auto"):
+        drafters["ngram"] = NgramDrafter(max_n=ngram_max)
+    if drafter is None and mtp is not None and draft in ("mtp", "auto"):
+        drafters["mtp"] = mtp
     k_max = 0 if draft == "none" else max(0, int(num_draft))
-    policy = AutoPolicy(auto_probe, auto_recheck) if draft == "auto" else None
-    kind = f"auto:{'mtp' if use_mtp else 'ngram'}" if draft == "auto" else draft
-    stats = SpecStats(draft=kind, k=k_max, exact=exact)
-    eos = {int(e) for e in eos_ids}
-    stream = shared_stream()
-    forward = _Forward(model, want_hidden=use_mtp)
-    wave = Wavefront(forward, store, stream) if exact else None
-    cache = make_cache(model)
-    prompt = [int(t) for t in prompt_ids]
-    stats.prompt_tokens = len(prompt)
-    stats.store_start = _store_stats(store)
+    if draft == "auto" and policy is None and k_max:
+        from .spec_policy import AutoPolicy
 
-    # Prefill exactly as mlx-lm's generate_step: all but the last prompt token
-    # in chunks, then a one-token step.
-    tic = time.perf_counter()
-    hiddens = []
-    with mx.stream(stream):
-        rest = prompt
-        while len(rest) > 1:
-            n = min(prefill_step_size, len(rest) - 1)
-            _, h = forward(mx.array(rest[:n])[None], cache)
-            mx.eval([c.state for c in cache])
+        policy = AutoPolicy(k_max, {n: d.needs_hidden for n, d in drafters.items()},
+                            prior_beta=1.0 if verify == "exact" else 0.3)
+    run = _Decoder(model, drafters, verify, store, eos_ids, max_tokens, policy)
+    run.stats.draft = draft
+    run.stats.k = k_max
+    yield from run.generate(prompt_ids, prefill_step_size, k_max, draft != "none")
+
+
+class _Decoder:
+    """One speculative generation: the model, its cache, the drafters."""
+
+    def __init__(self, model, drafters, verify, store, eos_ids, max_tokens, policy):
+        from . import rowwise
+
+        self.model = model
+        self.drafters = drafters
+        self.store = store
+        self.eos = {int(e) for e in eos_ids}
+        self.max_tokens = max_tokens
+        self.policy = policy
+        self.want_hidden = any(d.needs_hidden for d in drafters.values())
+        self.stream = shared_stream()
+        self.forward = _Forward(model, want_hidden=self.want_hidden)
+        self.cache = make_cache(model)
+        if verify == "rowwise" and not rowwise.supported(model, self.cache):
+            verify = "exact"  # a cache it cannot roll back or compute row by row
+        self.verify = verify
+        self.wave = Wavefront(self.forward, store, self.stream) if verify == "exact" else None
+        self.rowwise = rowwise.RowwisePass(model) if verify == "rowwise" else None
+        self.union = [0, 0, 0]  # of the batched passes (see Wavefront.union)
+        self.stats = SpecStats(verify=verify)
+        self.pre = []  # accepted tokens to feed again (batched verify, recurrent caches)
+        self.y = None  # the last committed token, not yet fed to the model
+        # (next token, hidden, checkpoint): a plain step built past the end of
+        # a chunk so the pipeline does not drain at every decision of auto;
+        # taken back if the next pass drafts
+        self.ahead = None
+
+    def observe(self, hidden, tokens):
+        for d in self.drafters.values():
+            d.observe(hidden if d.needs_hidden else None, tokens)
+        if self.policy is not None:
+            self.policy.tokens(tokens)
+
+    def generate(self, prompt_ids, prefill_step_size, k_max, drafting):
+        stats, stream, forward, cache = self.stats, self.stream, self.forward, self.cache
+        prompt = [int(t) for t in prompt_ids]
+        stats.prompt_tokens = len(prompt)
+        # Prefill exactly as mlx-lm's generate_step: all but the last prompt
+        # token in chunks, then a one-token step.
+        tic = time.perf_counter()
+        hiddens = []
+        with mx.stream(stream):
+            rest = prompt
+            while len(rest) > 1:
+                n = min(prefill_step_size, len(rest) - 1)
+                _, h = forward(mx.array(rest[:n])[None], cache)
+                mx.eval([c.state for c in cache])
+                if h is not None:
+                    hiddens.append(h)
+                rest = rest[n:]
+            logits, h = forward(mx.array(rest)[None], cache)
+            y = _greedy(logits)[0]
+            mx.eval(y, [c.state for c in cache])
+            y = int(y.item())
             if h is not None:
                 hiddens.append(h)
-            rest = rest[n:]
-        logits, h = forward(mx.array(rest)[None], cache)
-        y = _greedy(logits)[0]
-        mx.eval(y, [c.state for c in cache])
-        y = int(y.item())
-        if h is not None:
-            hiddens.append(h)
-    stats.prefill_s = time.perf_counter() - tic
-    stats.committed = 1
-    with mx.stream(stream):
-        if use_mtp:
-            drafter.observe(mx.concatenate(hiddens, axis=1), prompt[1:] + [y])
-        else:
-            drafter.observe(None, prompt + [y])
-    stats.store_end = _store_stats(store)
-    yield y, stats
-    if y in eos or max_tokens <= 1:
-        return
-
-    pre = []  # accepted tokens to feed again (batched mode, recurrent caches)
-    committed = 1
-    while committed < max_tokens:
-        t0 = time.perf_counter()
-        drafting = policy.drafting(committed) if policy else k_max > 0
-        stats.drafting = drafting
-        k = min(k_max, max_tokens - committed - 1) if drafting else 0
-        while k and not can_roll_back(cache, k + 1):
-            k -= 1  # a sliding-window cache about to wrap: draft less or none
-        if drafting and k_max and not k and committed < max_tokens - 1:
-            stats.no_rollback_passes += 1
+        stats.committed = 1
+        self.y = y
         with mx.stream(stream):
+            for d in self.drafters.values():
+                if d.needs_hidden:
+                    d.observe(mx.concatenate(hiddens, axis=1), prompt[1:] + [y])
+                    if self.policy is not None:
+                        d.propose(0)  # the head reads the prompt now, as part of the prefill
+                else:
+                    d.observe(None, prompt + [y])
+        stats.prefill_s = time.perf_counter() - tic
+        stats.store_start = stats.store_end = _store_stats(self.store)
+        yield y, stats
+        if y in self.eos or self.max_tokens <= 1:
+            return
+        while stats.committed < self.max_tokens:
+            remaining = self.max_tokens - stats.committed
+            if self.policy is not None:
+                action = self.policy.next(remaining)
+            elif drafting and k_max:
+                action = ("draft", next(iter(self.drafters)), k_max, False)
+            else:
+                action = ("plain", remaining)
+            if action[0] == "plain":
+                new, stop = self.plain(action[1])
+            else:
+                new, stop = self.draft_pass(*action[1:])
+            stats.store_end = _store_stats(self.store)
+            stats.union = [a + b for a, b in zip(self.wave.union if self.wave else (0, 0, 0),
+                                                 self.union)]
+            if self.policy is not None:
+                stats.auto = self.policy.summary()
+            for t in new:
+                yield t, stats
+            if stop:
+                return
+
+    def _stop(self, new):
+        """``new`` cut at eos or max_tokens; (tokens, whether generation ends)."""
+        for i, t in enumerate(new):
+            if t in self.eos or self.stats.committed + i + 1 >= self.max_tokens:
+                return new[: i + 1], True
+        return new, False
+
+    def _feed_pre(self):
+        if self.pre:
+            # batched rollback of a recurrent state: advance over the
+            # accepted tokens again before anything else
+            self.forward(mx.array(self.pre)[None], self.cache)
+            self.stats.fed += len(self.pre)
+            self.pre = []
+
+    def _shadow(self):
+        """Shadow proposals of auto's drafters at this position."""
+        for name, d in self.drafters.items():
+            k = self.policy.shadow_k(name)
+            if k:
+                t0 = time.perf_counter()
+                prop = [int(t) for t in d.propose(k)]
+                dt = time.perf_counter() - t0
+                self.policy.shadow(name, prop, dt, asked=k)
+                self.stats.draft_s += dt
+
+    def plain(self, n):
+        """Up to ``n`` one-token steps, pipelined as in mlx-lm's generate_step
+        (the next step's graph is built before this step's token is read).
+        Under auto the step after the last is built too (``self.ahead``)."""
+        stats, forward, cache = self.stats, self.forward, self.cache
+        n = min(n, self.max_tokens - stats.committed)
+        t0 = time.perf_counter()
+        shadow_s = 0.0
+        out, stop = [], False
+        with mx.stream(self.stream):
+            self._feed_pre()
+            if self.ahead is not None:
+                nxt, h, ckpt = self.ahead
+                ckpt.stop()
+                self.ahead = None
+            else:
+                logits, h = forward(mx.array([[self.y]]), cache)
+                nxt = _greedy(logits)[0]
+                mx.async_eval(nxt)
+            for i in range(n):
+                cur, cur_h = nxt, h
+                last = i + 1 == n
+                ahead = (last and self.policy is not None
+                         and stats.committed + 1 < self.max_tokens)
+                if not last or ahead:
+                    ckpt = CacheCheckpoint(cache) if ahead else None
+                    logits, h = forward(cur[None], cache)
+                    nxt = _greedy(logits)[0]
+                    mx.async_eval(nxt)
+                t = int(cur.item())
+                _, stop = self._stop([t])
+                out.append(t)
+                stats.committed += 1
+                stats.passes += 1
+                stats.plain_steps += 1
+                stats.fed += 1
+                self.y = t
+                if stop:
+                    break
+                if ahead:
+                    self.ahead = (nxt, h, ckpt)
+                self.observe(cur_h, [t])
+                if self.policy is not None:
+                    ts = time.perf_counter()
+                    self._shadow()
+                    shadow_s += time.perf_counter() - ts
+        dt = time.perf_counter() - t0
+        stats.decode_s += dt
+        stats.drafting = False
+        if self.policy is not None:
+            self.policy.plain(dt - shadow_s, len(out))
+        return out, stop
+
+    def _take_back_ahead(self):
+        """The next pass drafts: undo the plain step built ahead of it."""
+        if self.ahead is not None:
+            _, _, ckpt = self.ahead
+            ckpt.rollback(0)
+            ckpt.stop()
+            self.ahead = None
+
+    def _verify(self, inputs, ckpt):
+        """Logits (and hidden states) of the verify pass over ``inputs`` (ints,
+        or an array whose drafts are not evaluated yet: batched passes only)."""
+        from .rowwise import RowwiseUnsupported, grow_kv
+
+        cache = self.cache
+        n = len(inputs) if isinstance(inputs, list) else inputs.size
+        if self.rowwise is not None:
+            grow_kv(cache, n)
+            try:
+                with self.rowwise, self._counting_union(n):
+                    logits, hidden = self.forward(mx.array(inputs)[None], cache)
+                    mx.eval(logits)
+                return logits, hidden
+            except RowwiseUnsupported:
+                # the model takes a path it cannot compute row by row: undo
+                # what the pass did, and verify in lockstep from now on
+                ckpt.rollback(0)
+                ckpt.__init__(cache)
+                self.rowwise = None
+                self.verify = self.stats.verify = "exact"
+                self.wave = Wavefront(self.forward, self.store, self.stream)
+        if self.wave is not None:
+            if not isinstance(inputs, list):
+                inputs = [int(t) for t in inputs.tolist()]
+            rows = self.wave.run(inputs, cache)
+            logits = mx.concatenate([r[0] for r in rows], axis=1)
+            hidden = mx.concatenate([r[1] for r in rows], axis=1) if self.want_hidden else None
+            return logits, hidden
+        grow_kv(cache, n)
+        with self._counting_union(n):
+            logits, hidden = self.forward(mx.array(inputs)[None], cache)
+            mx.eval(logits)
+        return logits, hidden
+
+    @contextmanager
+    def _counting_union(self, n):
+        """The union figures of a batched pass: one store call per MoE layer
+        fetches the union of the n tokens' experts, each token asked for its
+        top k (the lockstep's Wavefront counts them the same way)."""
+        store = self.store
+        if store is None:
+            yield
+            return
+        gather = store.gather
+
+        def counted(layer, wanted):
+            self.union[0] += 1
+            self.union[1] += len(wanted)
+            self.union[2] += n * store.routers.get(layer, (None, len(wanted)))[1]
+            return gather(layer, wanted)
+
+        store.gather = counted
+        try:
+            yield
+        finally:
+            del store.gather
+
+    def draft_pass(self, name, k, probe=False):
+        """Draft up to ``k`` tokens with ``name``, verify them, commit."""
+        stats, forward, cache = self.stats, self.forward, self.cache
+        drafter = self.drafters[name]
+        t0 = time.perf_counter()
+        self._take_back_ahead()
+        k = min(k, self.max_tokens - stats.committed - 1)
+        if k and not can_roll_back(cache, k + 1):
+            k = 0
+            stats.no_rollback_passes += 1
+        # drafts that a batched verify takes unevaluated: one host sync per pass
+        lazy = k > 0 and self.wave is None and hasattr(drafter, "propose_lazy")
+        with mx.stream(self.stream):
             td = time.perf_counter()
-            drafts = [int(t) for t in drafter.propose(k)] if k > 0 else []
-            stats.draft_s += time.perf_counter() - td
-            if pre:
-                # batched rollback of a recurrent state: advance over the
-                # accepted tokens again before checkpointing
-                forward(mx.array(pre)[None], cache)
-                stats.fed += len(pre)
-                pre = []
-            inputs = [y] + drafts
+            if lazy:
+                pending = drafter.propose_lazy(k)
+                drafts = [None] * k
+            else:
+                drafts = [int(t) for t in drafter.propose(k)] if k > 0 else []
+            draft_s = time.perf_counter() - td
+            stats.draft_s += draft_s
+            if self.policy is not None:
+                # the other drafters' proposals here, to keep their acceptance known
+                for other, d in self.drafters.items():
+                    if other != name and not d.needs_hidden:
+                        k_max = self.policy.k_max
+                        self.policy.shadow(other, [int(t) for t in d.propose(k_max)], 0.0, k_max)
+            self._feed_pre()
+            inputs = [self.y] + drafts
             ckpt = CacheCheckpoint(cache) if drafts else None
-            if drafts and exact:
-                rows = wave.run(inputs, cache)
-                logits = mx.concatenate([r[0] for r in rows], axis=1)
-                hidden = mx.concatenate([r[1] for r in rows], axis=1) if use_mtp else None
+            if lazy:
+                y = mx.array([self.y], dtype=pending.dtype)
+                logits, hidden = self._verify(mx.concatenate([y, pending]), ckpt)
+            elif drafts:
+                logits, hidden = self._verify(inputs, ckpt)
             else:
                 logits, hidden = forward(mx.array(inputs)[None], cache)
             targets = _greedy(logits)
-            mx.eval(targets)
+            if lazy:
+                mx.eval(targets, pending)
+                drafts = [int(t) for t in pending.tolist()]
+                inputs = [self.y] + drafts
+            else:
+                mx.eval(targets)
             targets = [int(t.item()) for t in targets]
             a = 0
             while a < len(drafts) and drafts[a] == targets[a]:
                 a += 1
             new = drafts[:a] + [targets[a]]
-            fed_valid = 1 + a
             if ckpt is not None:
-                if a < len(drafts) and not ckpt.rollback(fed_valid):
-                    pre = inputs[:fed_valid]
+                if a < len(drafts) and not ckpt.rollback(1 + a):
+                    self.pre = inputs[: 1 + a]
                 ckpt.stop()
             mx.eval([c.state for c in cache])
+            new, stop = self._stop(new)
+            if not stop:
+                self.observe(hidden[:, : len(new), :] if hidden is not None else None, new)
         stats.passes += 1
         stats.fed += len(inputs)
         if drafts:
@@ -520,27 +737,20 @@ def speculative_generate(
             stats.drafted += len(drafts)
             stats.accepted += a
             stats.accept_lens.append(a)
-        # stop at eos or at max_tokens
-        stop = False
-        for i, t in enumerate(new):
-            if t in eos or committed + i + 1 >= max_tokens:
-                new, stop = new[: i + 1], True
-                break
-        if not stop:
-            with mx.stream(stream):
-                drafter.observe(hidden[:, : len(new), :] if use_mtp else None, new)
-        committed += len(new)
-        stats.committed = committed
-        y = new[-1]
+        else:
+            stats.plain_steps += 1
+        stats.committed += len(new)
+        stats.drafting = bool(drafts)
+        self.y = new[-1]
         dt = time.perf_counter() - t0
         stats.decode_s += dt
-        if policy:
-            policy.record(dt, len(new), committed, stats.auto_log)
-        stats.store_end = _store_stats(store)
-        for t in new:
-            yield t, stats
-        if stop:
-            return
+        if self.policy is not None:
+            if drafts:
+                self.policy.draft_pass(name, len(drafts), a, dt - draft_s, draft_s, len(new), probe,
+                                       asked=k)
+            else:
+                self.policy.other(dt)
+        return new, stop
 
 
 def check_draft(draft, model_dir, temp=0.0):
@@ -570,7 +780,7 @@ class DraftedStream:
     """
 
     def __init__(self, model, tokenizer, prompt_ids, model_dir, store, draft="ngram",
-                 num_draft=4, max_tokens=256, manifest=None, exact=True):
+                 num_draft=4, max_tokens=256, manifest=None, exact=True, verify=None):
         from .mtp import MTPDrafter, has_mtp, load_mtp
 
         self.model, self.tokenizer = model, tokenizer
@@ -581,7 +791,7 @@ class DraftedStream:
             head = load_mtp(model_dir, model, store, manifest)
             mtp = MTPDrafter(head, model)
         self.kwargs = dict(draft=draft, num_draft=num_draft, mtp=mtp, exact=exact,
-                           store=store, eos_ids=tokenizer.eos_token_ids)
+                           verify=verify, store=store, eos_ids=tokenizer.eos_token_ids)
         self.stats = None
 
     def __iter__(self):
@@ -623,48 +833,19 @@ class DraftedStream:
         )
 
 
-# -- measurement: python -m infer.speculative --model DIR ---------------------------
+# -- measurement (infer bench --draft-check) ----------------------------------------
 
-BENCH_PROMPTS = {
-    "code": "Continue this code:\n" + "".join(
-        f"def add_{i}(x):\n    return x + {i}\n\n" for i in range(8)
-    ),
-    "list": "Continue the list: " + ", ".join(["red", "green", "blue", "yellow"] * 6),
-    "free": "The lighthouse keeper counted the ships that passed in the night",
-}
-
-
-def _bench_parser():
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="python -m infer.speculative",
-        description="speculative decoding against plain greedy decoding, in one process",
-    )
-    p.add_argument("--model", required=True, help="prep folder")
-    p.add_argument("--draft", default="ngram", choices=("ngram", "mtp"))
-    p.add_argument("--k", default="1,2,3,4", help="draft lengths, comma separated")
-    p.add_argument("--modes", default="exact,fast", help="exact, fast or both")
-    p.add_argument("--prompts", default="code,free", help=f"of {','.join(BENCH_PROMPTS)}")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cache", type=float, default=0.25, help="expert cache, fraction of all experts")
-    p.add_argument("--read-rate", type=float, default=0.0,
-                   help="emulate a slower device: MB/s for the reads (0: as fast as it goes)")
-    p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--mismatch", action="store_true",
-                   help="only compare batched-pass logits with one-token steps, bit for bit")
-    return p
-
-
-def mismatch_rows(model, prompt_ids, n_tokens, k):
+def mismatch_rows(model, prompt_ids, n_tokens, k, verify="batched"):
     """How often a batched pass of k+1 tokens differs from one-token steps.
 
     Generates ``n_tokens`` greedily one token at a time, then feeds the same
-    tokens again in chunks of k+1 from the same prefill, and compares the
-    logits row by row. Returns (rows, rows with any bit different, rows whose
-    greedy id differs, largest absolute difference).
+    tokens again in chunks of k+1 from the same prefill (``verify``:
+    "batched" plain batched passes, "rowwise" ``infer.rowwise`` passes), and
+    compares the logits row by row. Returns (rows, rows with any bit
+    different, rows whose greedy id differs, largest absolute difference).
     """
+    from .rowwise import RowwisePass, RowwiseUnsupported, grow_kv, supported
+
     fwd = _Forward(model, want_hidden=False)
     ids = [int(t) for t in prompt_ids]
 
@@ -681,104 +862,23 @@ def mismatch_rows(model, prompt_ids, n_tokens, k):
         step_rows.append(np.array(logits[0, -1]))
         seq.append(int(_greedy(logits)[0].item()))
     cache, batched_rows = prefill(), []
+    if verify == "rowwise" and not supported(model, cache):
+        return len(step_rows), None, None, None
     for i in range(0, n_tokens, k + 1):
-        logits, _ = fwd(mx.array(seq[i : min(i + k + 1, n_tokens)])[None], cache)
+        chunk = seq[i : min(i + k + 1, n_tokens)]
+        grow_kv(cache, len(chunk))
+        if verify == "rowwise":
+            try:
+                with RowwisePass(model):
+                    logits, _ = fwd(mx.array(chunk)[None], cache)
+                    mx.eval(logits)
+            except RowwiseUnsupported:
+                return len(step_rows), None, None, None
+        else:
+            logits, _ = fwd(mx.array(chunk)[None], cache)
         mx.eval(logits)
         batched_rows.extend(np.array(logits[0]))
     differ = sum(not np.array_equal(a, b) for a, b in zip(step_rows, batched_rows))
     argmax = sum(int(a.argmax() != b.argmax()) for a, b in zip(step_rows, batched_rows))
     maxdiff = max(float(np.abs(a - b).max()) for a, b in zip(step_rows, batched_rows))
     return len(step_rows), differ, argmax, maxdiff
-
-
-def bench_main(argv=None):
-    import json
-    import statistics
-    import sys
-
-    from .loader import check_prep_folder, load_streaming
-    from .mtp import MTPDrafter, has_mtp, load_mtp
-    from .run import encode_prompt
-    from iod.inproc import InprocSource
-
-    args = _bench_parser().parse_args(argv)
-    manifest = check_prep_folder(args.model)
-    if args.draft == "mtp" and not has_mtp(args.model):
-        print(f"{args.model} has no MTP head", file=sys.stderr)
-        return 2
-    source = InprocSource(args.model, workers=1, read_rate=args.read_rate * 1e6)
-    cache_bytes = int(manifest.expert_bytes * args.cache)
-    model, tokenizer, store = load_streaming(args.model, source, cache_bytes)
-    head = load_mtp(args.model, model, store, manifest) if args.draft == "mtp" else None
-    if args.mismatch:
-        for name in args.prompts.split(","):
-            ids = encode_prompt(tokenizer, BENCH_PROMPTS[name])
-            for k in [int(k) for k in args.k.split(",")]:
-                n, differ, argmax, maxdiff = mismatch_rows(model, ids, args.max_tokens, k)
-                print(f"{name:5s} K={k}: {differ}/{n} logit rows differ bitwise, "
-                      f"{argmax} greedy ids differ, max |diff| {maxdiff:.3g}", flush=True)
-        source.close()
-        return 0
-
-    def once(ids, draft, k, exact):
-        store.stacks.clear()  # every run starts with an empty expert cache
-        mtp = MTPDrafter(head, model) if head is not None and draft == "mtp" else None
-        out, stats = [], None
-        for t, stats in speculative_generate(
-            model, ids, draft=draft, num_draft=k, max_tokens=args.max_tokens,
-            mtp=mtp, exact=exact, store=store,
-        ):
-            out.append(t)
-        return out, stats.summary()
-
-    rows = []
-    ks = [int(k) for k in args.k.split(",")]
-    modes = [m for m in args.modes.split(",") if m]
-    for name in args.prompts.split(","):
-        ids = encode_prompt(tokenizer, BENCH_PROMPTS[name])
-        configs = [("none", 0, True)] + [(args.draft, k, m == "exact") for k in ks for m in modes]
-        results = {c: [] for c in configs}
-        # interleave the configurations run by run, so load drifts hit all alike
-        for _ in range(args.runs):
-            for c in configs:
-                results[c].append(once(ids, *c))
-        base_ids = results[configs[0]][0][0]
-        base_tps = statistics.median(s["decode_tok_s"] for _, s in results[configs[0]])
-        for c in configs:
-            tps = [s["decode_tok_s"] for _, s in results[c]]
-            s = results[c][0][1]
-            first_diff = next(
-                (i for i, (a, b) in enumerate(zip(results[c][0][0], base_ids)) if a != b), None
-            )
-            row = {
-                "prompt": name, "kind": c[0], "k": c[1],
-                "mode": "exact" if c[2] else "fast",
-                "accept_len": s["accept_len"], "acceptance_rate": s["acceptance_rate"],
-                "decode_tok_s": statistics.median(tps), "decode_tok_s_runs": tps,
-                "baseline_decode_tok_s": base_tps,
-                "speedup": statistics.median(tps) / base_tps if base_tps else 0.0,
-                "experts_per_token": s["experts_per_token"],
-                "bytes_read_per_token": s["bytes_read_per_token"],
-                "hit_rate": s["hit_rate"], "draft_s": s["draft_s"], "decode_s": s["decode_s"],
-                "same_ids": results[c][0][0] == base_ids, "first_diff": first_diff,
-                "tokens": len(results[c][0][0]),
-            }
-            rows.append(row)
-            print(
-                f"{name:5s} {c[0]:5s} K={c[1]} {row['mode']:5s} accept_len {row['accept_len']:.2f} "
-                f"tok/s {row['decode_tok_s']:.2f} [{min(tps):.2f}-{max(tps):.2f}] "
-                f"x{row['speedup']:.2f} experts/tok {row['experts_per_token']:.1f} "
-                f"MB/tok {row['bytes_read_per_token'] / 1e6:.2f} same_ids {row['same_ids']}",
-                flush=True,
-            )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": str(args.model), "max_tokens": args.max_tokens,
-                       "cache": args.cache, "read_rate": args.read_rate, "runs": args.runs,
-                       "rows": rows}, f, indent=1)
-    source.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(bench_main())

@@ -1,4 +1,5 @@
-"""Speculative decoding: exact against greedy decoding, rollback, drafters, --draft."""
+"""Speculative decoding: exact against greedy decoding, rollback, drafters,
+--draft auto, and `infer bench --draft` / `infer run --draft` end to end."""
 
 import subprocess
 import sys
@@ -13,12 +14,14 @@ from mlx_lm.utils import load_model
 from infer.loader import load_streaming
 from infer.ngram import NgramDrafter
 from iod.inproc import InprocSource
+from infer.rowwise import RowwisePass
+from infer.spec_policy import AutoPolicy
 from infer.speculative import (
-    AutoPolicy,
     CacheCheckpoint,
     Wavefront,
     _Forward,
     make_cache,
+    mismatch_rows,
     speculative_generate,
 )
 
@@ -134,19 +137,26 @@ class OracleDrafter:
         return out
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_every_acceptance_length_qwen3_next(nxt, exact):
-    """Full, partial and no acceptance, in the lockstep and the batched verify
-    (the batched one is exact on MLX CPU as measured; see docs/speculative.md)."""
+@pytest.mark.parametrize("verify", ["exact", "rowwise", "batched"])
+def test_every_acceptance_length_qwen3_next(nxt, verify):
+    """Full, partial and no acceptance, in the lockstep, the row-wise and the
+    batched verify (the batched one is exact on MLX CPU as measured; see
+    docs/speculative.md). The row-wise one rolls the recurrent state back
+    exactly, so it never feeds accepted tokens again, as the lockstep."""
     _, _, model, store, _ = nxt
     p = PROMPTS[1]
     ref = greedy(model, p, 64)
     for k in (1, 3):
         drafter = OracleDrafter(ref, k, len(p))
         out, stats = spec(model, p, 64, draft="ngram", num_draft=k, store=store,
-                          exact=exact, drafter=drafter)
+                          verify=verify, drafter=drafter)
         assert out == ref
         assert set(stats.accept_lens) == set(range(k + 1))
+        assert stats.verify == verify
+        if verify == "batched":  # the recurrent state is fed the accepted tokens again
+            assert stats.fed > stats.passes + stats.drafted
+        else:
+            assert stats.fed == stats.passes + stats.drafted
 
 
 def test_verify_fetches_union_once(moe):
@@ -160,6 +170,12 @@ def test_verify_fetches_union_once(moe):
     # prefill (2 passes) + one call per layer per decode pass at most
     assert len(source.calls) <= n_layers * (2 + stats.passes)
     assert stats.fed > stats.committed - 1  # drafts were verified
+    calls, fetched, asked = stats.union
+    assert calls > 0 and 0 < fetched <= asked
+    # the row-wise pass fetches the same unions, counted the same way
+    out, rw = spec(model, p, 16, draft="ngram", num_draft=3, store=store, verify="rowwise",
+                   drafter=OracleDrafter(greedy(model, p, 16), 3, len(p)))
+    assert rw.union[0] > 0 and 0 < rw.union[1] <= rw.union[2]
 
 
 # -- rollback ------------------------------------------------------------------
@@ -214,6 +230,16 @@ def test_rollback_matches_fresh_run(nxt, keep):
     ckpt.stop()
     _assert_same(_states(cache), _states(fresh))
 
+    # row-wise verify (one batched pass, rows as one-token passes): rolled
+    # back in place to the same bits, the recurrent state included
+    cache = prefill()
+    ckpt = CacheCheckpoint(cache)
+    with RowwisePass(model):
+        fwd(mx.array(fed)[None], cache)
+    assert ckpt.rollback(keep)
+    ckpt.stop()
+    _assert_same(_states(cache), _states(fresh))
+
     # batched verify: back to the checkpoint, the kept tokens fed again
     cache = prefill()
     ckpt = CacheCheckpoint(cache)
@@ -235,6 +261,33 @@ def test_rollback_matches_fresh_run(nxt, keep):
     assert np.array_equal(np.array(fwd(mx.array([[33]]), cache)[0]), np.array(a))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_rowwise_rows_equal_one_token_steps(prep_model, arch):
+    """A row-wise pass's logits are the one-token steps' bits (on this CPU the
+    plain batched pass is too, for these archs: docs/speculative.md); a model
+    whose attention takes another path for several rows (deepseek_v3's
+    absorbed MLA) is refused, not computed inexactly."""
+    prep = prep_model(arch)
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, _ = load_streaming(prep, source, cache_bytes=1 << 18)
+    for k in (1, 3):
+        rows, differ, ids, _ = mismatch_rows(model, PROMPTS[1], 24, k, "rowwise")
+        assert rows == 24 and differ == 0 and ids == 0
+    source.close()
+
+
+def test_rowwise_refuses_and_falls_back(prep_model):
+    prep = prep_model("deepseek_v3")
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, cache_bytes=1 << 18)
+    assert mismatch_rows(model, PROMPTS[1], 8, 1, "rowwise")[1] is None
+    ref = greedy(model, PROMPTS[0], 24)
+    out, stats = spec(model, PROMPTS[0], 24, draft="ngram", num_draft=2, store=store,
+                      verify="rowwise", drafter=OracleDrafter(ref, 2, len(PROMPTS[0])))
+    source.close()
+    assert out == ref and stats.verify == "exact" and stats.draft_passes > 0
+
+
 # -- drafters and policy -------------------------------------------------------
 
 
@@ -249,45 +302,150 @@ def test_ngram_drafter():
     assert d.propose(0) == []
 
 
-def test_auto_policy_turns_drafting_off_when_it_costs_more():
-    p = AutoPolicy(probe=3, recheck=10)
-    log, committed = [], 0
-    for _ in range(3):  # plain steps: 1 token per 0.1 s
-        assert not p.drafting(committed)
-        committed += 1
-        p.record(0.1, 1, committed, log)
-    for _ in range(3):  # drafting: 1.5 tokens per 0.2 s
-        assert p.drafting(committed)
-        committed += 1
-        p.record(0.2, 1.5, committed, log)
-    assert log and log[-1]["drafting"] is False
-    assert not p.drafting(committed)
-    p2 = AutoPolicy(probe=3, recheck=10)
-    log, committed = [], 0
-    for s, t in [(0.1, 1)] * 3 + [(0.12, 3)] * 3:
-        p2.drafting(committed)
-        committed += t
-        p2.record(s, t, committed, log)
-    assert log[-1]["drafting"] is True and p2.drafting(committed)
+def _drive(policy, truth, plain_s, verify_s, steps=200):
+    """Runs the policy over a token sequence as the decoder would, with
+    scripted costs: a plain step takes ``plain_s``, a verify pass of k
+    drafts ``verify_s(k)``; the drafter proposes the truth. Returns the
+    decode time and the tokens committed."""
+    pos, t = 0, 0.0
+    policy.tokens(truth[:1])
+    pos = 1
+    while pos < steps:
+        action = policy.next(steps - pos)
+        if action[0] == "plain":
+            for _ in range(action[1]):
+                policy.shadow("ngram", truth[pos : pos + policy.k_max], 0.0)
+                policy.tokens(truth[pos : pos + 1])
+                pos += 1
+            policy.plain(plain_s * action[1], action[1])
+            t += plain_s * action[1]
+        else:
+            _, name, k, probe = action
+            new = truth[pos : pos + k + 1]  # every draft right, and the target's token
+            policy.tokens(new)
+            pos += len(new)
+            dt = verify_s(k)
+            policy.draft_pass(name, k, k, dt, 0.0, len(new), probe)
+            t += dt
+    return t, pos
+
+
+REPEATING = [i % 7 for i in range(400)]
+
+
+def test_auto_policy_drafts_where_a_verify_pass_is_cheap():
+    # a GPU-like verify: K+1 tokens for little more than one
+    p = AutoPolicy(3, {"ngram": False})
+    t, n = _drive(p, REPEATING, 0.01, lambda k: 0.01 * (1 + 0.1 * k))
+    assert any(d["do"] == "draft" and d["k"] == 3 for d in p.log)
+    assert t < 0.6 * n * 0.01  # most tokens came 4 per pass
+
+
+def test_auto_policy_turns_off_where_verify_costs_a_step_per_token():
+    # the lockstep on this CPU: K+1 one-token passes; at most one probe per
+    # K (within the loss budget), then plain decoding
+    p = AutoPolicy(3, {"ngram": False})
+    t, n = _drive(p, REPEATING, 0.01, lambda k: 0.01 * (1 + k) * 1.05)
+    probes = [d for d in p.log if d["do"] == "probe"]
+    # one pass of one draft shows the cost; the fitted cost rules out every K
+    assert [d["k"] for d in probes] == [1] and not [d for d in p.log if d["do"] == "draft"]
+    assert t <= 1.03 * n * 0.01
+    assert p.probe_loss <= p.LOSS_FRACTION * p.decode_s + 0.01 + 1e-9
+
+
+def test_auto_policy_never_probes_without_acceptance():
+    # nothing repeats: the shadow proposals are never right, no pass is spent
+    p = AutoPolicy(4, {"ngram": False})
+    truth = list(range(1000, 1400))
+    pos = 1
+    p.tokens(truth[:1])
+    while pos < 300:
+        action = p.next(300 - pos)
+        assert action[0] == "plain"
+        for _ in range(action[1]):
+            p.shadow("ngram", [pos], 0.0)  # always wrong
+            p.tokens(truth[pos : pos + 1])
+            pos += 1
+        p.plain(0.01 * action[1], action[1])
+    assert not p.log or all(d["do"] == "plain" for d in p.log)
+
+
+def test_auto_policy_limits_costly_shadow_proposals():
+    p = AutoPolicy(2, {"mtp": True})
+    p.plain(0.02, 2)
+    p.plain(0.02, 2)
+    asked = 0
+    for i in range(200):
+        if p.shadow_k("mtp"):
+            asked += 1
+            p.shadow("mtp", [1, 2], 0.01)  # a head step costs a plain step
+        p.plain(0.01, 1)
+    assert p.shadow_s <= p.SHADOW_FRACTION * p.decode_s + 0.01 + 0.02
 
 
 def test_auto_is_exact(moe):
     _, _, model, store, _ = moe
     p = PROMPTS[0]
     ref = greedy(model, p, 48)
-    out, stats = spec(model, p, 48, draft="auto", num_draft=3, store=store,
-                      auto_probe=3, auto_recheck=16)
+    out, stats = spec(model, p, 48, draft="auto", num_draft=3, store=store)
     assert out == ref
-    assert stats.auto_log
+    assert stats.auto["t1_s"] > 0
+
+
+class ScriptedPolicy(AutoPolicy):
+    """Auto's decisions on a schedule, to exercise every switch exactly."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.n = 0
+
+    def next(self, remaining):
+        self.n += 1
+        if self.n % 3 == 0:
+            return ("plain", min(remaining, 1 + self.n % 5))
+        return ("draft", "ngram", 1 + self.n % 3, False)
+
+
+@pytest.mark.parametrize("verify", ["exact", "rowwise"])
+def test_switching_between_plain_and_drafting_is_exact(nxt, verify):
+    _, _, model, store, _ = nxt
+    p = PROMPTS[0]
+    ref = greedy(model, p, 48)
+    policy = ScriptedPolicy(3, {"ngram": False})
+    out, stats = spec(model, p, 48, draft="auto", num_draft=3, store=store, policy=policy,
+                      verify=verify)
+    assert out == ref
+    assert stats.plain_steps > 0 and stats.passes > stats.plain_steps
+
+
+def test_auto_stays_off_without_repetition(moe):
+    """No n-gram ever matches on a random model's free prompt: auto never
+    verifies a draft, and decodes as plain decoding does (one token fed per
+    token)."""
+    _, _, model, store, _ = moe
+    p = PROMPTS[1]
+    ref = greedy(model, p, 64)
+    out, stats = spec(model, p, 64, draft="auto", num_draft=4, store=store)
+    assert out == ref
+    assert stats.draft_passes == 0 and stats.fed == 63
+
+
+def test_draft_none_equals_generate_step(nxt):
+    _, _, model, store, _ = nxt
+    for p in PROMPTS:
+        out, stats = spec(model, p, 40, draft="none", store=store)
+        assert out == greedy(model, p, 40)
+        assert stats.passes == 39 and stats.plain_steps == 39
 
 
 def test_stats_summary(moe):
     _, _, model, store, _ = moe
     out, stats = spec(model, PROMPTS[0], 24, draft="ngram", num_draft=2, store=store)
     s = stats.summary()
-    for key in ("accept_len", "decode_tok_s", "bytes_read_per_token", "experts_per_token"):
+    for key in ("accept_len", "decode_tok_s", "bytes_read_per_token", "experts_per_token",
+                "verify", "union", "fed_per_token"):
         assert key in s
-    assert s["tokens"] == 24 and s["accept_len"] >= 1.0
+    assert s["tokens"] == 24 and s["accept_len"] >= 1.0 and s["verify"] == "exact"
     assert s["bytes_read_per_token"] > 0
 
 
@@ -326,9 +484,9 @@ def test_sliding_window_wrap_stays_exact(prep_model):
     assert out2 == ref2
 
 
-def test_cli_draft_ngram_same_ids_through_iod(prep_model):
-    """`infer run --draft ngram` through the embedded daemon: the ids of
-    `--draft none`, and the draft figures in the JSON stats."""
+def test_cli_every_draft_same_ids_through_iod(prep_model):
+    """`infer run --draft ngram|mtp|auto` through the embedded daemon: the ids
+    of `--draft none`, and the draft figures in the JSON stats."""
     import json
     import os
     import shutil
@@ -340,7 +498,7 @@ def test_cli_draft_ngram_same_ids_through_iod(prep_model):
     env = dict(os.environ, IOD_RUN_DIR=str(folder))
     outs = {}
     try:
-        for draft in ("none", "ngram"):
+        for draft in ("none", "ngram", "mtp", "auto"):
             r = subprocess.run(
                 [sys.executable, "-m", "infer.cli", "run", "--model", str(prep), "--draft", draft,
                  "--num-draft", "3", "--max-tokens", "40", "--json",
@@ -351,6 +509,160 @@ def test_cli_draft_ngram_same_ids_through_iod(prep_model):
             outs[draft] = json.loads(r.stdout)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    assert outs["ngram"]["tokens"] == outs["none"]["tokens"]
-    d = outs["ngram"]["stats"]["draft"]
-    assert d["kind"] == "ngram" and d["exact"] is True and d["k"] == 3
+    for draft in ("ngram", "mtp", "auto"):
+        assert outs[draft]["tokens"] == outs["none"]["tokens"], draft
+        d = outs[draft]["stats"]["draft"]
+        assert d["kind"] == draft and d["verify"] == "exact" and d["k"] == 3
+    assert outs["mtp"]["stats"]["draft"]["drafted"] > 0
+
+
+# -- infer bench --draft -------------------------------------------------------
+
+DRAFT_KEYS = ("kind", "k", "accept_len", "decode_tok_s", "baseline_decode_tok_s", "speedup",
+              "bytes_read_per_token", "exact")
+
+
+def _bench(prep, tmp_path, *args):
+    import json
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "infer.cli", "bench", "--model", str(prep), "--runs", "1",
+         "--max-tokens", "4", "--dtype", "float32", "--draft-warmup", "4", "--json", str(out),
+         *args],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text()), r.stdout
+
+
+def test_bench_draft_ngram(prep_model, tmp_path):
+    """The "draft" object of the issue, every configuration's figures, the
+    ids of plain greedy decoding, and the bitwise check of batched passes."""
+    report, stdout = _bench(prep_model("qwen3_moe"), tmp_path, "--modes", "sync", "--draft", "ngram",
+                            "--num-draft", "1,3", "--draft-tokens", "24", "--prompt", "@code",
+                            "--draft-check")
+    d = report["modes"]["sync"]["draft"]
+    for key in DRAFT_KEYS:
+        assert key in d, key
+    assert d["kind"] == "ngram" and d["exact"] is True and d["verify"] == "exact"
+    assert d["k"] in (1, 3) and d["tokens"] == 24
+    assert [c["k"] for c in d["configs"]] == [1, 3] and all(c["exact"] for c in d["configs"])
+    assert d["bytes_read_per_token"] > 0 and d["baseline_bytes_read_per_token"] > 0
+    assert d["configs"][1]["union"]["experts_asked"] >= d["configs"][1]["union"]["experts_fetched"]
+    for verify in ("batched", "rowwise"):
+        c = d["check"]["1"][verify]
+        assert c["rows"] == 24 and c["rows_bitwise_different"] == 0
+    assert "speedup" in stdout
+
+
+def test_bench_draft_mtp_resident_and_streamed(prep_model, tmp_path):
+    """MTP through the resident model (its head's experts read from the blob)
+    and through streaming, lockstep and row-wise verify: ids equal."""
+    report, _ = _bench(prep_model("qwen3_next"), tmp_path, "--modes", "resident,sync", "--draft", "mtp",
+                       "--num-draft", "2", "--verify", "exact,rowwise", "--draft-tokens", "16")
+    for mode in ("resident", "sync"):
+        d = report["modes"][mode]["draft"]
+        assert d["kind"] == "mtp" and d["exact"] is True and d["verify"] == "exact"
+        assert {c["verify"] for c in d["configs"]} == {"exact", "rowwise"}
+        assert all(c["exact"] and c["drafted"] > 0 for c in d["configs"])
+
+
+def test_bench_draft_auto_without_repetition(prep_model, tmp_path):
+    report, _ = _bench(prep_model("qwen3_moe"), tmp_path, "--modes", "sync", "--draft", "auto",
+                       "--num-draft", "4", "--draft-tokens", "32", "--prompt", "@free")
+    d = report["modes"]["sync"]["draft"]
+    assert d["kind"] == "auto" and d["exact"] is True
+    assert d["configs"][0]["draft_passes"] == 0  # it never verified a draft
+
+
+def test_bench_draft_refuses_bad_arguments(prep_model):
+    from infer import bench_draft, speculative
+    from infer.bench import main
+
+    assert bench_draft.VERIFY == speculative.VERIFY
+
+    assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "mtp"]) == 2
+    assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "ngram", "--verify", "fast"]) == 2
+    assert main(["--model", str(prep_model("qwen3_moe")), "--draft", "ngram", "--num-draft", "0"]) == 2
+    assert main(["--model", str(prep_model("qwen3_moe")), "--prompt", "@nope"]) == 2
+
+
+# -- trained models (tests/models, from `infer train`) ------------------------
+
+
+def _trained(arch):
+    """A trained checkpoint of ``arch`` under tests/models (or the folder in
+    $INFER_TRAINED_MODELS), or None."""
+    import json
+    import os
+    from pathlib import Path
+
+    roots = [Path(__file__).parent / "models"]
+    if os.environ.get("INFER_TRAINED_MODELS"):
+        roots.insert(0, Path(os.environ["INFER_TRAINED_MODELS"]))
+    for root in roots:
+        for d in sorted(root.glob("*")) if root.is_dir() else []:
+            try:
+                config = json.loads((d / "config.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if config.get("model_type") == arch and (d / "train.json").exists():
+                return d
+    return None
+
+
+class GpuCostPolicy(AutoPolicy):
+    """Auto with the costs a GPU would have (a verify pass of K+1 tokens for
+    about one step, a head step for 1/20 of one), the acceptance its own:
+    is the trained head good enough to turn drafting on?"""
+
+    def shadow(self, name, proposal, seconds, asked=None):
+        t1 = self.plain_time() or seconds
+        super().shadow(name, proposal, 0.05 * t1 * len(proposal), asked)
+
+    def draft_pass(self, name, k, accepted, seconds, draft_seconds, committed, probe, asked=None):
+        t1 = self.plain_time()
+        super().draft_pass(name, k, accepted, t1 * (1 + 0.05 * k), 0.05 * t1 * k, committed, probe,
+                           asked)
+
+
+@pytest.fixture(scope="module")
+def trained_next(tmp_path_factory):
+    from infer.prep import prep
+
+    src = _trained("qwen3_next")
+    if src is None or not (src / "mtp.safetensors").exists():
+        pytest.skip("no trained qwen3_next with an MTP head under tests/models")
+    if (src / "manifest.json").exists():
+        return src
+    out = tmp_path_factory.mktemp("trained") / src.name
+    prep(src, out, progress=False)
+    return out
+
+
+def test_trained_mtp_head_is_accepted_and_turns_auto_on(trained_next):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from infer.bench_draft import PROMPTS
+    from infer.mtp import MTPDrafter, load_mtp
+    from shared.blob import Manifest
+
+    source = InprocSource(trained_next, arena=64 << 20)
+    model, tok, store = load_streaming(trained_next, source, cache_bytes=None, dtype=mx.float32)
+    head = load_mtp(trained_next, model, store, Manifest.load(trained_next))
+    p = tok.encode(PROMPTS["pycode"])
+    ref = greedy(model, p, 64)
+    out, stats = spec(model, p, 64, draft="mtp", num_draft=1, store=store, verify="rowwise",
+                      mtp=MTPDrafter(head, model))
+    assert out == ref
+    assert stats.accepted / stats.drafted > 0.3  # an untrained head accepts ~nothing
+    policy = GpuCostPolicy(3, {"mtp": True})
+    ref = greedy(model, p, 96)
+    out, stats = spec(model, p, 96, draft="auto", num_draft=3, store=store, verify="rowwise",
+                      mtp=MTPDrafter(head, model), policy=policy)
+    source.close()
+    assert out == ref
+    # probes first (one per K), then drafting: most of the tokens came from passes
+    assert any(d["drafter"] == "mtp" and d["do"] in ("probe", "draft") for d in stats.auto_log), stats.auto
+    assert stats.draft_passes >= 8 and stats.plain_steps < stats.committed / 2

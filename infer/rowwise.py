@@ -1,0 +1,195 @@
+"""A batched forward pass whose rows are computed as one-token passes.
+
+A verify pass over K+1 tokens costs about one token on a GPU when it is one
+batched forward, but some of its operations take a different kernel for
+several rows than for one, so its logits need not be the bits that plain
+one-token decoding gives. ``RowwisePass`` runs the batched forward with the
+operations whose result for a row depends on the other rows, or on how many
+there are, done row by row exactly as one-token decoding does them:
+
+- attention (``mx.fast.scaled_dot_product_attention``): each query row on
+  its own, against the keys up to its own position, with no mask — the call
+  one-token decoding makes (one query, ``mask=None``);
+- causal convolutions (``nn.Conv1d`` over ``[state | new inputs]``, the
+  Gated-DeltaNet layers): one output position per call, over its own window;
+- the gated-delta recurrence: one step per call (its state after every
+  token is kept, so a rejected draft is rolled back exactly);
+- KV buffers grow in the 256-token steps one-token decoding grows them in
+  (a batched update would grow them to a length no one-token pass sees).
+
+Everything else stays batched: matrix products whose kernels compute each
+row on its own (MLX's quantized matrix-vector kernels take a few rows at a
+time, and gather_qmm computes each (row, expert) product separately),
+norms, rotary embeddings and element-wise operations. Whether those really
+give the same bits for a row in a batch as alone is the backend's business:
+``mismatch_rows`` in ``infer.speculative`` measures it (``infer bench
+--draft-check``); this module only removes the differences that are certain.
+
+Supported caches: ``KVCache`` (full attention) and the ``ArraysCache`` of
+gated-delta layers; with any other (sliding windows, quantized caches, SSM
+layers) ``supported`` is False and the caller verifies in lockstep instead.
+"""
+
+import sys
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+_TLS = threading.local()
+
+
+class RowwiseUnsupported(RuntimeError):
+    pass
+
+
+def _gated_delta_layers(model):
+    """Modules with a causal conv and a gated-delta recurrence (Qwen3-Next's
+    linear attention), found by what they use."""
+    out = []
+    for _, m in model.named_modules():
+        mod = sys.modules.get(type(m).__module__)
+        if isinstance(getattr(m, "conv1d", None), nn.Conv1d) and hasattr(mod, "gated_delta_update"):
+            out.append(m)
+    return out
+
+
+def supported(model, cache):
+    """Whether every cache is one this module rolls back and computes exactly."""
+    n_arrays = sum(isinstance(c, ArraysCache) for c in cache)
+    if any(not isinstance(c, (KVCache, ArraysCache)) for c in cache):
+        return False
+    if any(type(c).__name__ in ("QuantizedKVCache",) for c in cache):
+        return False
+    return n_arrays == len(_gated_delta_layers(model))
+
+
+def grow_kv(cache, n):
+    """Grow the KV buffers that ``n`` more tokens would overflow by whole
+    steps at their full length, as one-token updates grow them (a batched
+    update would cut the buffer at its offset first, to a length one-token
+    decoding never has, and some backends choose kernels by that length)."""
+    for c in cache:
+        if not isinstance(c, KVCache) or c.keys is None:
+            continue
+        while c.offset + n > c.keys.shape[2]:
+            B, H, _, D = c.keys.shape
+            k = mx.zeros((B, H, c.step, D), c.keys.dtype)
+            v = mx.zeros((B, c.values.shape[1], c.step, c.values.shape[3]), c.values.dtype)
+            c.keys = mx.concatenate([c.keys, k], axis=2)
+            c.values = mx.concatenate([c.values, v], axis=2)
+
+
+class RowwisePass:
+    """Context in which a model's batched forward computes rows as one-token
+    passes do (see the module docstring). Patches are global while active:
+    nothing else may run a forward pass meanwhile."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = _gated_delta_layers(model)
+        self.modules = {sys.modules[type(m).__module__] for m in self.layers}
+        self._saved = []
+
+    def __enter__(self):
+        orig_sdpa = mx.fast.scaled_dot_product_attention
+        orig_conv = nn.Conv1d.__call__
+        self._patch(mx.fast, "scaled_dot_product_attention", _rowwise_sdpa(orig_sdpa))
+        self._patch(nn.Conv1d, "__call__", _rowwise_conv(orig_conv))
+        for mod in self.modules:
+            self._patch(mod, "gated_delta_update", _stepwise_gdu(mod.gated_delta_update))
+        for cls in {type(m) for m in self.layers}:
+            self._patch(cls, "__call__", _recording_gdn(cls.__call__))
+        return self
+
+    def _patch(self, owner, name, value):
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def __exit__(self, *exc):
+        for owner, name, value in reversed(self._saved):
+            setattr(owner, name, value)
+        self._saved = []
+        _TLS.rec = None
+        return False
+
+
+def _rowwise_sdpa(orig):
+    def sdpa(q, k, v, *args, scale, mask=None, **kw):
+        L = q.shape[2]
+        if L == 1:
+            return orig(q, k, v, *args, scale=scale, mask=mask, **kw)
+        if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+            raise RowwiseUnsupported("attention with an explicit mask")
+        S = k.shape[2]
+        outs = []
+        for j in range(L):
+            end = S - L + j + 1
+            outs.append(orig(q[:, :, j : j + 1, :], k[:, :, :end, :], v[:, :, :end, :],
+                             *args, scale=scale, mask=None, **kw))
+        return mx.concatenate(outs, axis=2)
+
+    return sdpa
+
+
+def _rowwise_conv(orig):
+    def call(self, x):
+        rec = getattr(_TLS, "rec", None)
+        if rec is not None:
+            rec["conv_input"] = x
+        K = self.weight.shape[1]
+        L = x.shape[1]
+        if L <= K:
+            return orig(self, x)
+        if self.padding != 0 or self.stride != 1 or self.dilation != 1:
+            raise RowwiseUnsupported("a convolution with padding, stride or dilation")
+        outs = [orig(self, mx.contiguous(x[:, j : j + K, :])) for j in range(L - K + 1)]
+        return mx.concatenate(outs, axis=1)
+
+    return call
+
+
+def _stepwise_gdu(orig):
+    def gdu(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
+        T = q.shape[1]
+        if T == 1:
+            return orig(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
+        ys, states = [], []
+        for t in range(T):
+            y, state = orig(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
+                            a[:, t : t + 1], b[:, t : t + 1], A_log, dt_bias, state,
+                            None if mask is None else mask[:, t : t + 1], **kw)
+            ys.append(y)
+            states.append(state)
+        rec = getattr(_TLS, "rec", None)
+        if rec is not None:
+            rec["states"] = states
+        return mx.concatenate(ys, axis=1), state
+
+    return gdu
+
+
+def _recording_gdn(orig):
+    """A gated-delta layer's call that leaves one recorded state per token
+    in a recording cache (``infer.speculative``), instead of one for all."""
+
+    def call(self, inputs, mask=None, cache=None):
+        _TLS.rec = rec = {}
+        try:
+            out = orig(self, inputs, mask=mask, cache=cache)
+        finally:
+            _TLS.rec = None
+        S = inputs.shape[1]
+        history = getattr(cache, "history", None)
+        if history is not None and S > 1:
+            states, x = rec.get("states"), rec.get("conv_input")
+            if states is None or x is None or len(states) != S or not history:
+                raise RowwiseUnsupported("a gated-delta layer that did not run as expected")
+            n, _ = history.pop()  # the state after all S tokens, from advance(S)
+            keep = x.shape[1] - S  # the conv state's length
+            for j in range(S):
+                history.append((1, [x[:, j + 1 : j + 1 + keep, :], states[j]]))
+        return out
+
+    return call
