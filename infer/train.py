@@ -67,7 +67,8 @@ class Recipe:
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
     clip: float = 1.0
-    aux_coef: float = 0.01  # load balancing (Switch Transformer's value)
+    aux_coef: float = 0.05  # load balancing: 0.01 (Switch) left one hot expert per layer in tiny
+    balance_window: int = 64  # steps the balance counts loads over (1: each batch alone)
     z_coef: float = 1e-3  # router z-loss (ST-MoE's value)
     mtp_coef: float = 0.3  # next-next-token loss (DeepSeek-V3's first value)
     eval_windows: int = 32
@@ -206,30 +207,38 @@ def cross_entropy(logits, targets):
     return nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="mean")
 
 
-def router_losses(tape: _Tape, top_k: int):
-    """(load-balancing loss, z-loss), means over the MoE layers.
+def router_losses(tape: _Tape, top_k: int, shares=None, keep: float = 0.0):
+    """(load-balancing loss, z-loss, this batch's shares), the losses means
+    over the MoE layers.
 
-    Balance (Switch Transformer, per layer over the batch's tokens):
-    E * sum_e f_e * P_e, f_e the share of routed slots that go to expert e,
-    P_e its mean router probability; 1.0 when perfectly balanced."""
-    aux, z = [], []
-    for logits in tape.logits:
+    Balance (Switch Transformer, per layer): E * sum_e f_e * P_e, f_e the
+    share of routed slots that go to expert e, P_e its mean router
+    probability over the batch; 1.0 when perfectly balanced. With ``shares``
+    (each layer's f over the recent steps) f is ``keep * shares + (1 - keep)
+    * f_batch``: global-batch balance (Qiu et al. 2025, as Qwen3 is trained),
+    which lets a batch's context favour some experts as long as the load
+    evens out over many batches."""
+    aux, z, batch_shares = [], [], []
+    for i, logits in enumerate(tape.logits):
         logits = logits.astype(mx.float32).reshape(-1, logits.shape[-1])
         n_exp = logits.shape[-1]
         probs = mx.softmax(logits, axis=-1)
         top = mx.stop_gradient(mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k])
-        counts = mx.zeros((n_exp,)).at[top.reshape(-1)].add(1.0)
-        f = counts / top.size
+        f = mx.zeros((n_exp,)).at[top.reshape(-1)].add(1.0) / top.size
+        batch_shares.append(f)
+        if shares is not None:
+            f = keep * shares[i] + (1 - keep) * f
         aux.append(n_exp * mx.sum(f * probs.mean(axis=0)))
         z.append(mx.mean(mx.logsumexp(logits, axis=-1) ** 2))
     if not aux:
-        return mx.array(0.0), mx.array(0.0)
-    return mx.mean(mx.stack(aux)), mx.mean(mx.stack(z))
+        return mx.array(0.0), mx.array(0.0), []
+    return mx.mean(mx.stack(aux)), mx.mean(mx.stack(z)), batch_shares
 
 
-def forward_losses(trainee: Trainee, window, seq: int):
-    """(next-token CE, next-next-token CE of the MTP head or 0, aux, z) of a
-    batch of windows of ``seq + 1`` (``seq + 2`` with an MTP head) tokens."""
+def forward_losses(trainee: Trainee, window, seq: int, shares=None, keep=0.0):
+    """(next-token CE, next-next-token CE of the MTP head or 0, aux, z, the
+    batch's expert shares) of a batch of windows of ``seq + 1`` (``seq + 2``
+    with an MTP head) tokens."""
     trainee.tape.logits.clear()
     inputs, targets = window[:, :seq], window[:, 1 : seq + 1]
     h = trainee.model.model(inputs)
@@ -240,8 +249,8 @@ def forward_losses(trainee: Trainee, window, seq: int):
         embeds = trainee.model.model.embed_tokens(targets)
         g = trainee.mtp(h, embeds, [None] * trainee.num_mtp)
         mtp_ce = cross_entropy(trainee.logits(g), window[:, 2 : seq + 2])
-    aux, z = router_losses(trainee.tape, trainee.top_k)
-    return ce, mtp_ce, aux, z
+    aux, z, batch_shares = router_losses(trainee.tape, trainee.top_k, shares, keep)
+    return ce, mtp_ce, aux, z, batch_shares
 
 
 def cast(params, dtype):
@@ -259,13 +268,15 @@ class Trainer:
         self.params = trainee.trainable_parameters()
         self.opt = optim.Adam(learning_rate=recipe.lr, betas=list(recipe.betas), eps=1e-8)
         self.opt.init(self.params)
+        self.shares = None  # each MoE layer's expert shares over the recent steps
         r = recipe
+        self.keep = 1.0 - 1.0 / r.balance_window if r.balance_window > 1 else 0.0
 
-        def loss_of(params, window):
+        def loss_of(params, window, shares):
             self.trainee.update(cast(params, self.dtype))
-            ce, mtp_ce, aux, z = forward_losses(self.trainee, window, r.seq)
+            ce, mtp_ce, aux, z, batch_shares = forward_losses(self.trainee, window, r.seq, shares, self.keep)
             loss = ce + r.mtp_coef * mtp_ce + r.aux_coef * aux + r.z_coef * z
-            return loss, (ce, mtp_ce, aux, z)
+            return loss, ((ce, mtp_ce, aux, z), batch_shares)
 
         self._value_and_grad = mx.value_and_grad(loss_of)
 
@@ -278,14 +289,17 @@ class Trainer:
         return r.lr * (r.min_lr + (1 - r.min_lr) * 0.5 * (1 + math.cos(math.pi * t)))
 
     def step(self, window: np.ndarray, lr: float):
-        (loss, parts), grads = self._value_and_grad(self.params, mx.array(window))
+        (loss, (parts, batch)), grads = self._value_and_grad(self.params, mx.array(window), self.shares)
+        if self.keep:
+            k = self.keep
+            self.shares = batch if self.shares is None else [k * s + (1 - k) * b for s, b in zip(self.shares, batch)]
         grads, _ = optim.clip_grad_norm(grads, self.recipe.clip)
         self.opt.learning_rate = mx.array(lr)
         wd = 1.0 - lr * self.recipe.weight_decay
         # decoupled weight decay on matrices only (not norms, gains, biases)
         decayed = tree_map(lambda p: p * wd if p.ndim >= 2 else p, self.params)
         self.params = self.opt.apply_gradients(grads, decayed)
-        mx.eval(self.params, self.opt.state, loss, parts)
+        mx.eval(self.params, self.opt.state, loss, parts, self.shares)
         return float(loss), [float(p) for p in parts]
 
     def evaluate(self, windows: np.ndarray, batch: int):
@@ -295,7 +309,7 @@ class Trainer:
         n = 0
         for i in range(0, len(windows), batch):
             w = mx.array(windows[i : i + batch])
-            c, m, _, _ = forward_losses(self.trainee, w, self.recipe.seq)
+            c, m, *_ = forward_losses(self.trainee, w, self.recipe.seq)
             mx.eval(c, m)
             ce += float(c) * len(w)
             mtp += float(m) * len(w)
@@ -477,6 +491,7 @@ def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=
         "tokens_seen": step * recipe.batch * recipe.seq, "steps": step, "planned_steps": plan.total,
         "stopped_early": plan.stopped_early,
         "minutes": round((time.time() - t_start) / 60, 2), "train_minutes": round(train_s / 60, 2),
+        "cpu_minutes": round(time.process_time() / 60, 2),  # this process' CPU time: the figure a shared machine keeps
         "minutes_limit": minutes,
         "parameters": n_params, "dtype": dtype, "quantization": quant,
         "recipe": vars(recipe),

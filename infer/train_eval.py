@@ -101,3 +101,30 @@ def evaluate(folder, text: str, routing_tokens=2048, mtp_tokens=1024) -> dict:
     layers, counts = routing.route(model, ids[:routing_tokens])
     out["routing"] = routing.summarize(layers, counts)["summary"]
     return out
+
+
+def plot_curves(reports: dict, path):
+    """Held-out loss against tokens seen, one line per ``name -> train.json``
+    (a dict), with each model's unigram loss dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for i, (name, rep) in enumerate(reports.items()):
+        pts = rep["curve"]
+        ax.plot([p["tokens"] / 1e6 for p in pts], [p["heldout_loss"] for p in pts], "o-", ms=3, color=f"C{i}",
+                label=f"{name} held-out")
+        if "mtp_heldout_loss" in pts[-1]:
+            ax.plot([p["tokens"] / 1e6 for p in pts], [p["mtp_heldout_loss"] for p in pts], ":", color=f"C{i}",
+                    label=f"{name} MTP (token i+2)")
+        ax.axhline(rep["unigram_loss"], ls="--", lw=0.8, color=f"C{i}", alpha=0.6)
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("held-out loss (dashed: unigram model)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -58,9 +58,14 @@ def test_grouped_experts_equal_switch_glu():
 def test_balance_loss_is_one_when_uniform():
     tape = train._Tape()
     tape.logits.append(mx.zeros((2, 10, 8)))
-    aux, z = train.router_losses(tape, 2)
+    aux, z, shares = train.router_losses(tape, 2)
     assert float(aux) == pytest.approx(1.0)
     assert float(z) == pytest.approx(np.log(8) ** 2, rel=1e-5)
+    assert float(shares[0].sum()) == pytest.approx(1.0)
+    # global-batch balance: what the recent steps sent to expert 0 counts too
+    recent = [mx.array([1.0] + [0.0] * 7)]
+    aux, _, _ = train.router_losses(tape, 2, recent, keep=0.5)
+    assert float(aux) == pytest.approx(1.0)  # uniform probabilities: E * sum f / E
 
 
 def test_schedule_warms_up_and_decays():
@@ -138,3 +143,20 @@ def test_refusals(corpus, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert all(line.startswith("infer train: ") for line in err if "note:" not in line), err
     assert not (tmp_path / "m").exists()
+
+
+def test_plan_fits_the_minutes():
+    import time
+
+    t0 = time.time()
+    plan = train.Plan(100, minutes=1.0, t0=t0 - 30)  # half of the minute is gone
+    # 1 s a step, evaluations of 2 s every 10 steps, 5 s kept at the end
+    plan.replan(10, 1.0, 2.0, lambda a, b: b // 10 - a // 10 + 1, 5.0)
+    assert 25 <= plan.total <= 32
+    assert not plan.over(5.0) and plan.over(40.0) and plan.stopped_early
+    capped = train.Plan(1000, minutes=60, t0=t0, cap=50)
+    capped.replan(10, 0.01, 0.0, lambda a, b: 0, 0.0)
+    assert capped.total == 50
+    untimed = train.Plan(100, minutes=None, t0=t0)
+    untimed.replan(10, 100.0, 0.0, lambda a, b: 0, 0.0)
+    assert untimed.total == 100 and not untimed.over(1e9)
