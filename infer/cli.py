@@ -10,6 +10,8 @@ COMMANDS = {
     "prep": ("infer.prep", "convert an mlx-lm MoE model into a prep folder"),
     "verify": ("infer.verify", "check every expert record of a prep folder"),
     "synth": ("infer.synth", "build a random-weight model of a real architecture"),
+    "train": ("infer.train", "train a small MoE language model on a text corpus"),
+    "routing": ("infer.routing", "routing statistics of a model over a text"),
     "bench": ("infer.bench", "compare resident, streaming and iod decoding"),
     "serve": ("infer.serve", "OpenAI-compatible HTTP server on a shared iod"),
 }

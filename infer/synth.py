@@ -32,7 +32,7 @@ QUANTS = {
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 SHARD_BYTES = 512 << 20
 
-# Routing calibration (see `infer synth --routing-report` and docs/format.md).
+# Routing calibration (see `infer routing` and docs/format.md).
 # Every token embedding shares a mean direction m (mean_ratio times the size of
 # its own part); queries and keys read m, so through RoPE attention favours
 # recent tokens (qk_gain sets how sharply); values, routers and experts ignore
@@ -53,7 +53,7 @@ class Calibration:
     depth_decay: float = 0.4  # attention output of layer l scaled by (l + 1) ** -depth_decay
 
 
-# Measured with --routing-report on the tiny preset (small where given).
+# Measured with `infer routing` on the tiny preset (small where given).
 CALIBRATION = {
     "qwen3_moe": {"qk_gain": 2.2},
     ("qwen3_moe", "small"): {"qk_gain": 2.4},
@@ -518,17 +518,11 @@ def parse(argv):
     ap.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    ap.add_argument("--routing-report", type=Path, metavar="DIR", help="print routing statistics of a synth model")
-    ap.add_argument("--tokens", type=int, default=1024, help="routing report: tokens of text to route")
     return ap.parse_args(argv)
 
 
 def main(argv) -> int:
     a = parse(argv)
-    if a.routing_report is not None:
-        from .synth_routing import report_main
-
-        return report_main(a.routing_report, a.tokens)
     if a.preset not in PRESETS:
         return fail(f"unknown preset {a.preset!r} (choose from {', '.join(PRESETS)})")
     if a.arch is None:

@@ -21,8 +21,9 @@ def corpus_text() -> str:
     return (Path(__file__).parent / "data" / "corpus.txt").read_text(encoding="utf-8")
 
 
-def train(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE with at most ``vocab_size`` tokens (fewer if the corpus runs out of merges)."""
+def train(vocab_size: int, texts=None) -> Tokenizer:
+    """Byte-level BPE with at most ``vocab_size`` tokens (fewer if the corpus
+    runs out of merges), trained on ``texts`` (default: the packaged corpus)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -33,15 +34,17 @@ def train(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    text = corpus_text()
-    tok.train_from_iterator([p for p in text.split("\n\n") if p.strip()], trainer=trainer)
+    if texts is None:
+        texts = [p for p in corpus_text().split("\n\n") if p.strip()]
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
-def save(folder, vocab_size: int) -> int:
-    """Write tokenizer.json and tokenizer_config.json; returns the tokenizer's vocab size."""
+def save(folder, vocab_size: int, tok: Tokenizer = None) -> int:
+    """Write tokenizer.json and tokenizer_config.json (of ``tok``, else of a
+    tokenizer trained on the packaged corpus); returns its vocab size."""
     folder = Path(folder)
-    tok = train(vocab_size)
+    tok = tok or train(vocab_size)
     tok.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -96,3 +96,39 @@ def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("model")
     make_prep(folder)
     return folder
+
+
+TRAINED = Path(__file__).parent / "models"
+
+
+@pytest.fixture(scope="session")
+def trained_model():
+    """``trained_model(arch) -> Path``: the committed tiny-trained checkpoint
+    (`infer train --preset tiny`, docs/trained.md) of qwen3_moe or qwen3_next;
+    its ``heldout.txt`` is text the model never trained on. Read-only."""
+
+    def get(arch) -> Path:
+        folder = TRAINED / f"tiny-trained-{arch}"
+        assert (folder / "config.json").is_file(), f"missing checkpoint {folder}"
+        return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def trained_prep(tmp_path_factory, trained_model):
+    """``trained_prep(arch) -> Path``: the prep folder of ``trained_model(arch)``, built once per session."""
+    from infer.prep import prep
+
+    cache = {}
+    root = tmp_path_factory.mktemp("trained-prep")
+
+    def make(arch) -> Path:
+        with _lock:
+            if arch not in cache:
+                out = root / arch
+                prep(trained_model(arch), out, progress=False)
+                cache[arch] = out
+            return cache[arch]
+
+    return make

@@ -184,47 +184,19 @@ def test_refuses_non_empty_out(tmp_path, capsys):
 # --- routing ----------------------------------------------------------------------------------
 
 
-def test_lru_and_overlap_statistics():
-    import numpy as np
-
-    from infer.synth_routing import layer_stats, lru_hit_rate
-
-    sets = np.array([[0, 1], [1, 2], [2, 3], [0, 1]])
-    assert lru_hit_rate(sets, 4) == 4 / 8
-    assert lru_hit_rate(sets, 2) == 2 / 8
-    s = layer_stats("m", 16, sets)
-    assert (s.distinct, s.overlap, s.lru_capacity, s.tokens) == (4, 2 / 3, 2, 4)
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_routing_is_realistic(arch, synth_model):
     """Over ~1k tokens nearly all experts are used, consecutive tokens share
     only some, and an LRU of 1/8 of the experts hits roughly 50-75%."""
-    from infer.synth_routing import fixed_tokens, route
+    from infer.routing import route, summarize
+    from infer.synth_tokenizer import corpus_text
 
     model, tok = mlx_lm.load(str(synth_model(arch)))
-    stats = route(model, fixed_tokens(tok, 1024))
-    n = len(stats)
-    used = sum(s.distinct / s.num_experts for s in stats) / n
-    overlap = sum(s.overlap / s.top_k for s in stats) / n
-    hit = sum(s.lru_hit for s in stats) / n
-    assert used >= 0.85, used
-    assert 0.25 <= overlap <= 0.75, overlap
-    assert 0.50 <= hit <= 0.75, hit
-
-
-def test_routing_report_cli(synth_model, prep_model, capsys):
-    src, dst = synth_model("mixtral"), prep_model("mixtral")
-    capsys.readouterr()
-    assert synth_main(["--routing-report", str(src), "--tokens", "256"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 5 and lines[0].startswith("model.layers.0.block_sparse_moe.switch_mlp")
-    assert "LRU(4) hit" in lines[0] and lines[-1].startswith("mean over 4 layers")
-    # a prep folder routes the same, its experts read from the blobs
-    assert synth_main(["--routing-report", str(dst), "--tokens", "256"]) == 0
-    assert capsys.readouterr().out.strip().splitlines() == lines
-    assert synth_main(["--routing-report", "/nonexistent"]) == 2
-    assert capsys.readouterr().err.startswith("infer synth: ")
+    s = summarize(*route(model, tok.encode(corpus_text())[:1024]))["summary"]
+    assert s["tokens"] == 1024
+    assert s["experts_used"] >= 0.85, s
+    assert 0.25 <= s["next_token_reuse"] <= 0.75, s
+    assert 0.50 <= s["lru_hit"]["0.125"] <= 0.75, s
 
 
 def test_synth_memory_stays_near_one_layer(tmp_path):

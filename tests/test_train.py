@@ -1,0 +1,162 @@
+"""`infer train`: the training pieces, same seed same bytes, the folder loads in
+stock mlx-lm and goes through `infer prep`, refusals."""
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from infer import train, train_data
+from infer.train import main as train_main
+
+# the files whose bytes a seed fixes (train.json holds timings)
+MODEL_FILES = ("model.safetensors", "mtp.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
+QUICK = dict(preset="tiny", steps=3, batch=2, seq=16, judge=False, eval_windows=4)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small corpus file: 20 standard-library modules (always present)."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    docs = train_data.read_documents(train_data.stdlib_files()[:20])
+    path.write_text(train_data.SEPARATOR.join(docs), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """A few seconds of training (``train.train``, as the command calls it)."""
+    root = tmp_path_factory.mktemp("trained")
+    done = {}
+
+    def make(arch, seed=0, name=""):
+        key = (arch, seed, name)
+        if key not in done:
+            out = root / f"{arch}-{seed}{name}"
+            out.mkdir()
+            train.train(arch, out=out, corpus=str(corpus), seed=seed, log=lambda s: None, **QUICK)
+            done[key] = out
+        return done[key]
+
+    return make
+
+
+def test_grouped_experts_equal_switch_glu():
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(3)
+    glu = SwitchGLU(64, 32, 16)
+    x = mx.random.normal((2, 40, 64))
+    idx = mx.random.randint(0, 16, (2, 40, 4))
+    grouped = train.GroupedGLU(glu)
+    assert np.array_equal(np.array(glu(x, idx)), np.array(grouped(x, idx)))
+    assert grouped.dropped == 0.0
+
+
+def test_balance_loss_is_one_when_uniform():
+    tape = train._Tape()
+    tape.logits.append(mx.zeros((2, 10, 8)))
+    aux, z, shares = train.router_losses(tape, 2)
+    assert float(aux) == pytest.approx(1.0)
+    assert float(z) == pytest.approx(np.log(8) ** 2, rel=1e-5)
+    assert float(shares[0].sum()) == pytest.approx(1.0)
+    # global-batch balance: what the recent steps sent to expert 0 counts too
+    recent = [mx.array([1.0] + [0.0] * 7)]
+    aux, _, _ = train.router_losses(tape, 2, recent, keep=0.5)
+    assert float(aux) == pytest.approx(1.0)  # uniform probabilities: E * sum f / E
+
+
+def test_schedule_warms_up_and_decays():
+    r = train.Recipe(seq=8, batch=1, steps=100, lr=1.0, eval_every=10)
+    t = train.Trainer.__new__(train.Trainer)
+    t.recipe = r
+    lrs = [t.lr(s, 100) for s in range(100)]
+    assert lrs[0] == pytest.approx(1 / 5) and lrs[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_heldout_split_and_sample():
+    docs = [f"doc {i}\n" + "x = 1\n" * 50 for i in range(120)]
+    tr, held = train_data.split(docs)
+    assert [d.split("\n")[0] for d in held] == ["doc 7", "doc 57", "doc 107"]
+    assert len(tr) + len(held) == 120 and not set(tr) & set(held)
+    sample = train_data.heldout_sample(held, per_doc=20)
+    assert sample.split(train_data.SEPARATOR)[1].startswith("doc 107")
+
+
+def test_same_seed_same_bytes(trained):
+    a, b = trained("qwen3_next"), trained("qwen3_next", name="again")
+    for name in MODEL_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    info = json.loads((a / "train.json").read_text())
+    for key in ("heldout_loss", "unigram_loss", "tokens_seen", "minutes"):
+        assert key in info
+    assert info["tokens_seen"] == 3 * 2 * 16 and info["steps"] == 3
+    assert len(info["corpus"]["sha256"]) == 64 and info["curve"][0]["step"] == 0
+    assert (a / train.HELDOUT_FILE).stat().st_size > 1000
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_folder_loads_in_mlx_lm_and_preps(arch, trained, corpus, tmp_path):
+    from infer.mtp import has_mtp, load_mtp
+    from infer.prep import prep
+    from shared.blob import Manifest
+
+    if arch == "qwen3_moe":  # through the command line
+        src = tmp_path / "cli"
+        argv = ["--steps", "3", "--batch", "2", "--seq", "16", "--no-judge", "--seed", "1"]
+        assert train_main(["--arch", arch, "--corpus", str(corpus), "--out", str(src), *argv]) == 0
+    else:
+        src = trained(arch)
+    model, tok = mlx_lm.load(str(src))
+    text = mlx_lm.generate(model, tok, "import os\n", max_tokens=4, verbose=False)
+    assert isinstance(text, str)
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["model_type"] == arch and cfg["quantization"]["bits"] == 4
+    assert cfg["quantization"]["model.layers.0.mlp.gate"]["bits"] == 8  # mlx-lm's own predicate
+    if arch == "qwen3_next":
+        assert has_mtp(src)
+        head = load_mtp(src, model)
+        assert head.layers[0].mlp.gate.bits == 8
+    dst = tmp_path / "prep"
+    prep(src, dst, progress=False)
+    layers = Manifest.load(dst).layers
+    assert len(layers) == cfg["num_hidden_layers"] + (1 if arch == "qwen3_next" else 0)
+
+
+def test_refusals(corpus, tmp_path, capsys):
+    out = str(tmp_path / "m")
+    assert train_main(["--arch", "llama", "--out", out]) == 2
+    assert train_main(["--arch", "qwen3_moe", "--preset", "huge", "--out", out]) == 2
+    assert train_main(["--arch", "qwen3_moe", "--out", out, "--corpus", str(tmp_path / "none.txt")]) == 2
+    assert train_main(["--arch", "qwen3_moe", "--out", out, "--minutes", "0"]) == 2
+    assert train_main(["--arch", "qwen3_next", "--out", out, "--layers", "2"]) == 2
+    assert train_main(["--arch", "qwen3_moe"]) == 2
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert train_main(["--arch", "qwen3_moe", "--out", str(tmp_path / "full")]) == 2
+    bad = tmp_path / "one.txt"
+    bad.write_text("only one document")
+    assert train_main(["--arch", "qwen3_moe", "--out", out, "--corpus", str(bad), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert all(line.startswith("infer train: ") for line in err if "note:" not in line), err
+    assert not (tmp_path / "m").exists()
+
+
+def test_plan_fits_the_minutes():
+    import time
+
+    t0 = time.time()
+    plan = train.Plan(100, minutes=1.0, t0=t0 - 30)  # half of the minute is gone
+    # 1 s a step, evaluations of 2 s every 10 steps, 5 s kept at the end
+    plan.replan(10, 1.0, 2.0, lambda a, b: b // 10 - a // 10 + 1, 5.0)
+    assert 25 <= plan.total <= 32
+    assert not plan.over(5.0) and plan.over(40.0) and plan.stopped_early
+    capped = train.Plan(1000, minutes=60, t0=t0, cap=50)
+    capped.replan(10, 0.01, 0.0, lambda a, b: 0, 0.0)
+    assert capped.total == 50
+    untimed = train.Plan(100, minutes=None, t0=t0)
+    untimed.replan(10, 100.0, 0.0, lambda a, b: 0, 0.0)
+    assert untimed.total == 100 and not untimed.over(1e9)
