@@ -502,7 +502,8 @@ def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=
         "reproduce": f"infer train --arch {arch} --preset {preset} --seed {seed} --steps {step} --dtype {dtype}"
                      + (f" --corpus {corpus}" if corpus != "stdlib" else "")
                      + (f" --layers {layers}" if layers else "") + (f" --batch {batch}" if batch else "")
-                     + (f" --seq {seq}" if seq else ""),
+                     + (f" --seq {seq}" if seq else "")
+                     + (f" --aux-coef {recipe.aux_coef:g}" if recipe.aux_coef != Recipe.aux_coef else ""),
         "curve": curve,
         "files": files + [HELDOUT_FILE, "train.json"],
         **({"eval": {"text": HELDOUT_FILE, **judged}} if judged else {}),
@@ -620,6 +621,8 @@ def parse(argv):
     ap.add_argument("--layers", type=int, help="override the preset's number of layers")
     ap.add_argument("--batch", type=int, help="override the preset's sequences per step")
     ap.add_argument("--seq", type=int, help="override the preset's tokens per sequence")
+    ap.add_argument("--aux-coef", type=float, default=Recipe.aux_coef,
+                    help="weight of the load-balancing loss")
     ap.add_argument("--make-corpus", type=Path, metavar="FILE",
                     help="write the corpus file (this Python's stdlib + Debian's python3-doc) and exit")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -646,6 +649,8 @@ def main(argv) -> int:
         v = getattr(a, name)
         if v is not None and v <= 0:
             return fail(f"--{name} must be positive")
+    if a.aux_coef < 0:
+        return fail("--aux-coef must be >= 0")
     if a.arch == "qwen3_next" and a.layers is not None and a.layers < 4:
         return fail("qwen3_next needs --layers >= 4 (one full-attention layer every 4)")
     if a.out is None:
@@ -662,7 +667,7 @@ def main(argv) -> int:
     tmp.mkdir(parents=True)
     try:
         report = train(a.arch, a.preset, tmp, a.corpus, a.minutes, a.seed, a.steps, a.dtype, a.layers,
-                       a.batch, a.seq, a.quant, judge=not a.no_judge,
+                       a.batch, a.seq, a.quant, judge=not a.no_judge, aux_coef=a.aux_coef,
                        log=lambda s: print(s, file=sys.stderr, flush=True))
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
