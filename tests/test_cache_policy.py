@@ -1,11 +1,12 @@
 """Cache policies (infer.belady) on scripted traces whose answer is known,
-the live LayerStack against its simulation on trained routing, and exact
-greedy ids with the policy."""
+the live LayerStack against its simulation on trained routing, exact greedy
+ids with the policy, and the cold-start usage file (infer.coldstart)."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from infer import coldstart
 from infer.belady import belady_global, belady_misses, simulate, simulate_global
 
 ARCHS = ["qwen3_moe", "qwen3_next"]
@@ -95,7 +96,7 @@ def test_live_stack_misses_what_its_simulation_misses(arch, trained_model, train
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_ids_equal_mlx_lm_with_the_ranked_policy(arch, trained_model, trained_prep):
     """10% of the expert bytes (fewer positions than a call's top-k: calls
-    run partly from temporary stacks)."""
+    run partly from temporary stacks) with a calibrated cold start."""
     import mlx_lm
 
     from infer.loader import load_streaming
@@ -111,5 +112,31 @@ def test_greedy_ids_equal_mlx_lm_with_the_ranked_policy(arch, trained_model, tra
         out = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=24)]
         assert out == ref
         assert store.stats["misses"] > 0
+    finally:
+        source.close()
+
+
+def test_usage_file_round_trip_and_preload_order(tmp_path, trained_model, trained_prep):
+    """calibrate() writes usage.json; it reads back as the counts; a store
+    loaded from the folder starts with each layer's most used experts."""
+    import shutil
+
+    from infer.loader import load_streaming
+    from iod.inproc import InprocSource
+
+    prep = tmp_path / "prep"
+    shutil.copytree(trained_prep("qwen3_moe"), prep)
+    assert coldstart.read_usage(prep) is None
+    text = (trained_model("qwen3_moe") / "heldout.txt").read_text()
+    counts = coldstart.calibrate(prep, text, max_tokens=64)
+    assert coldstart.read_usage(prep) == counts
+    assert all(sum(c.values()) == 64 * 8 for c in counts.values())  # top-8 per token
+    order = coldstart.usage_order(counts)
+    source = InprocSource(prep)
+    try:
+        _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.25))
+        for layer, stack in store.stacks.items():
+            assert set(stack.position) == set(order[layer][: stack.capacity])
+        assert store.stats["fetched_bytes"] > 0 and store.stats["misses"] == 0
     finally:
         source.close()
