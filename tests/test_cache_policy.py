@@ -140,3 +140,27 @@ def test_usage_file_round_trip_and_preload_order(tmp_path, trained_model, traine
         assert store.stats["fetched_bytes"] > 0 and store.stats["misses"] == 0
     finally:
         source.close()
+
+
+def test_policy_table_sums_traces_per_budget():
+    """scripts/bench_policies.py: each budget's row is Belady and each policy
+    summed over the traces, at the session cache's per-layer capacity."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).parents[1] / "scripts" / "bench_policies.py"
+    spec = importlib.util.spec_from_file_location("bench_policies", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    layers = [SimpleNamespace(record_bytes=100)] * 2
+    manifest = SimpleNamespace(layers=layers, expert_bytes=2 * 20 * 100)  # 20 experts a layer
+    trace = [(l, [e % 7, (e + 1) % 7]) for e in range(30) for l in (0, 1)]
+    rows = bench.table({"a": trace, "b": trace}, manifest, ["lru", "decay16+rank"], ["least-stale"])
+    row = rows["25%"]
+    assert row["capacity_per_layer"] == 5
+    assert row["belady"] == 2 * belady_misses(trace, 5)
+    assert row["lru"] == 2 * simulate(trace, 5, "lru")
+    assert row["global least-stale"] == 2 * simulate_global(trace, 10, "least-stale", 2)
+    assert row["belady_global"] == 2 * belady_global(trace, 10) <= row["belady"]
+    assert "| 25% | 5 |" in bench.markdown(rows, ["lru"])
