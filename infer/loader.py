@@ -87,7 +87,7 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     tokenizer = load_tokenizer(
         model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
     )
-    if preload:
+    if preload and source is not None:  # (infer bench sets its source later)
         coldstart.preload(store, model_dir)
     return model, tokenizer, store
 

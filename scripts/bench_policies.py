@@ -45,7 +45,8 @@ def record(model_dir, tokens, text=None, stretches=2):
 
     manifest = Manifest.load(model_dir)
     source = InprocSource(model_dir)
-    model, tok, store = load_streaming(model_dir, source, manifest.expert_bytes, dtype=mx.float32)
+    model, tok, store = load_streaming(model_dir, source, manifest.expert_bytes, dtype=mx.float32,
+                                         preload=False)
     ids = tok.encode(Path(text).read_text(), add_special_tokens=False) if text \
         else heldout_ids(model_dir, tok)
     store.depth = 2

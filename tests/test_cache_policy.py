@@ -77,7 +77,7 @@ def test_live_stack_misses_what_its_simulation_misses(arch, trained_model, train
     prep = trained_prep(arch)
     source = InprocSource(prep)
     try:
-        model, tok, store = load_streaming(prep, source, 0, dtype=mx.float32)
+        model, tok, store = load_streaming(prep, source, 0, dtype=mx.float32, preload=False)
         ids = heldout_ids(trained_model(arch), tok)[200:]
         store.depth = 0
         for fraction in (0.05, 0.10, 0.25):
@@ -126,6 +126,7 @@ def test_usage_file_round_trip_and_preload_order(tmp_path, trained_model, traine
 
     prep = tmp_path / "prep"
     shutil.copytree(trained_prep("qwen3_moe"), prep)
+    (prep / coldstart.USAGE_NAME).unlink(missing_ok=True)
     assert coldstart.read_usage(prep) is None
     text = (trained_model("qwen3_moe") / "heldout.txt").read_text()
     counts = coldstart.calibrate(prep, text, max_tokens=64)
