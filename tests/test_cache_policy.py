@@ -28,6 +28,12 @@ def test_rank_keeps_the_used_experts_out_of_reach_of_one_offs():
     assert simulate(trace, 2, "lru") == 6 and simulate(trace, 2, "decay16+rank") == 4
 
 
+def test_frequency_keeps_the_expert_used_three_times_lru_does_not():
+    trace = [(0, [0])] * 3 + [(0, [1]), (0, [2]), (0, [0])]
+    assert simulate(trace, 2, "lru") == 4  # 2 evicts 0, the least recent
+    assert simulate(trace, 2, "lfu") == 3 == simulate(trace, 2, "decay16") == belady_misses(trace, 2)
+
+
 def test_arc_keeps_experts_seen_twice_through_a_scan():
     trace = [(0, [e]) for e in [0, 1, 0, 1, 2, 3, 4, 0, 1]]
     assert simulate(trace, 2, "lru") == 7
