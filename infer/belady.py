@@ -7,6 +7,12 @@ with the same fixed capacity, so every simulation here runs per layer with
 that per-layer capacity and sums the misses. A call needs all of its experts
 at once; an expert of the current call is never evicted to make room for
 another of the same call (the store then falls back to a temporary stack).
+
+A trace may also carry, per call, the experts it predicted for the next
+layers (``scripts/bench_policies.py`` records them), which the
+prediction-aware pool policy (``simulate_global(..., "predict")``) uses.
+docs/benchmarks.md,
+"Cache policy on trained routing", has the measured table.
 """
 
 from collections import OrderedDict, defaultdict

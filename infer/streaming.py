@@ -78,8 +78,8 @@ class LayerStack:
     Replacement: decayed frequency, misses placed best-scored first and
     only over a victim that scores no higher (``infer.belady.FreqDecayRank``
     is the same rule, simulated); ``tick()`` once per call of the layer,
-    ``touch`` on each hit, ``assign`` for the misses. A stack that can hold every expert of
-    its layer keeps expert e at position e, and once full (``complete``)
+    ``touch`` on each hit, ``assign`` for the misses. A stack that can hold
+    every expert of its layer keeps expert e at position e, and once full (``complete``)
     runs exactly like the resident model's weights: no lookup, no sync."""
 
     HALF_LIFE = 16.0  # calls of the layer (tokens, in decode)
