@@ -11,8 +11,7 @@ another of the same call (the store then falls back to a temporary stack).
 A trace may also carry, per call, the experts it predicted for the next
 layers (``scripts/bench_policies.py`` records them), which the
 prediction-aware pool policy (``simulate_global(..., "predict")``) uses.
-docs/benchmarks.md,
-"Cache policy on trained routing", has the measured table.
+docs/benchmarks.md, "Cache policy on trained routing", has the measured table.
 """
 
 from collections import OrderedDict, defaultdict
