@@ -7,6 +7,11 @@ with the same fixed capacity, so every simulation here runs per layer with
 that per-layer capacity and sums the misses. A call needs all of its experts
 at once; an expert of the current call is never evicted to make room for
 another of the same call (the store then falls back to a temporary stack).
+
+A trace may also carry, per call, the experts it predicted for the next
+layers (``scripts/bench_policies.py`` records them), which the
+prediction-aware pool policy (``simulate_global(..., "predict")``) uses.
+docs/benchmarks.md, "Cache policy on trained routing", has the measured table.
 """
 
 from collections import OrderedDict, defaultdict
@@ -15,7 +20,8 @@ from collections import OrderedDict, defaultdict
 def per_layer(trace):
     """{layer: [frozenset(experts), ...]} in call order."""
     out = defaultdict(list)
-    for layer, experts in trace:
+    for call in trace:
+        layer, experts = call[0], call[1]
         out[layer].append(frozenset(int(e) for e in experts))
     return out
 
@@ -165,9 +171,75 @@ class FreqDecayAdmit(FreqDecay):
         return self._now(new) > self._now(victim)
 
 
+class FreqDecayRank(FreqDecay):
+    """The session cache's rule (``infer.streaming.LayerStack``): decayed
+    frequency, and a call's missed experts are placed best-scored first, each
+    only while it scores at least as high as the victim it would replace; the
+    rest run from a temporary stack. A call that needs more experts than the
+    stack holds therefore keeps the ones used most, not the first by id."""
+
+    def request(self, req):
+        self.t += 1
+        for e in req:
+            self.on_access(e)
+        missing = [e for e in sorted(req) if e not in self.cached]
+        for e in sorted(req):
+            if e in self.cached:
+                self.on_hit(e)
+        for e in sorted(missing, key=lambda e: (-self._now(e), e)):
+            if len(self.cached) >= self.capacity:
+                v = self.victim(req)
+                if v is None or self._now(v) > self._now(e):
+                    continue  # used once from a temporary stack
+                del self.cached[v]
+            self.on_insert(e)
+        return len(missing)
+
+
 class LFUAdmit(LFU):
     def admit(self, new, victim):
         return self.count[new] > self.count[victim]
+
+
+class ARC(Policy):
+    """Adaptive replacement (Megiddo & Modha): experts seen once (``t1``) and
+    more than once (``t2``), each LRU-ordered, with ghost lists of recent
+    victims (``b1``, ``b2``) that move the target size ``p`` of ``t1``."""
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self.t2 = set()  # cached experts seen at least twice; the rest of cached is t1
+        self.b1 = OrderedDict()
+        self.b2 = OrderedDict()
+        self.p = 0.0
+
+    def on_hit(self, e):
+        super().on_hit(e)
+        self.t2.add(e)
+
+    def on_insert(self, e):
+        super().on_insert(e)
+        if e in self.b1:  # recency list too short: grow it
+            self.p = min(self.capacity, self.p + max(1.0, len(self.b2) / len(self.b1)))
+            del self.b1[e]
+            self.t2.add(e)
+        elif e in self.b2:  # frequency list too short: shrink t1
+            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+            del self.b2[e]
+            self.t2.add(e)
+
+    def victim(self, keep):
+        t1 = [e for e in self.cached if e not in self.t2 and e not in keep]
+        t2 = [e for e in self.cached if e in self.t2 and e not in keep]
+        from_t1 = t1 and (len(self.cached) - len(self.t2) > self.p or not t2)
+        v = t1[0] if from_t1 else (t2[0] if t2 else None)
+        if v is not None:
+            ghost = self.b2 if v in self.t2 else self.b1
+            self.t2.discard(v)
+            ghost[v] = None
+            while len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+        return v
 
 
 POLICIES = {
@@ -179,6 +251,9 @@ POLICIES = {
     "lfu+adm": LFUAdmit,
     "decay16+adm": lambda c: FreqDecayAdmit(c, 16.0),
     "decay64+adm": lambda c: FreqDecayAdmit(c, 64.0),
+    "arc": ARC,
+    "decay16+rank": lambda c: FreqDecayRank(c, 16.0),
+    "decay32+rank": lambda c: FreqDecayRank(c, 32.0),
 }
 
 
@@ -197,7 +272,7 @@ def simulate(trace, capacity, policy="lru"):
 
 
 def _global_requests(trace):
-    return [frozenset((int(layer), int(e)) for e in experts) for layer, experts in trace]
+    return [frozenset((int(c[0]), int(e)) for e in c[1]) for c in trace]
 
 
 def belady_global(trace, capacity):
@@ -205,11 +280,102 @@ def belady_global(trace, capacity):
     return belady_layer(_global_requests(trace), capacity)
 
 
+class TokenTime(Policy):
+    """A pool shared by all layers whose clock is token time: an expert's
+    age is the number of calls of *its own* layer since it was last used
+    there (in decode, tokens), not the number of calls of any layer. Among
+    equally old experts the victim is the one whose layer is called last
+    from now: an expert a layer used this token waits a whole token before
+    its layer comes round again, one of the next layer is wanted next."""
+
+    def __init__(self, capacity, order):
+        super().__init__(capacity)
+        self.pos = {l: i for i, l in enumerate(order)}  # layer -> place in a token
+        self.calls = defaultdict(int)  # layer -> its calls so far
+        self.last = {}  # (layer, expert) -> the layer's call count at its last use
+        self.layer = None
+        self.protected = frozenset()
+
+    def age(self, k):
+        return self.calls[k[0]] - self.last[k]
+
+    def wait(self, k):
+        """Calls of other layers before ``k``'s layer is called again."""
+        n = len(self.pos)
+        return (self.pos[k[0]] - self.pos[self.layer] - 1) % n
+
+    def key(self, k):
+        return (self.age(k), self.wait(k))
+
+    def serve(self, layer, req, protected=frozenset()):
+        self.layer = layer
+        self.calls[layer] += 1
+        for k in req:
+            self.last[k] = self.calls[layer]
+        self.protected = protected
+        return self.request(req)
+
+    def victim(self, keep):
+        best, best_key = None, None
+        for k in self.cached:
+            if k in keep:
+                continue
+            key = (k not in self.protected, *self.key(k))
+            if best is None or key > best_key:
+                best, best_key = k, key
+        return best
+
+
+class TokenDecay(TokenTime):
+    """Decayed frequency in token time (half-life in calls of the expert's
+    own layer); ties go to the expert whose layer comes round last."""
+
+    def __init__(self, capacity, order, half_life=16.0):
+        super().__init__(capacity, order)
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.score = {}
+
+    def serve(self, layer, req, protected=frozenset()):
+        now = self.calls[layer] + 1  # this call's count, once served
+        for k in req:
+            s, t = self.score.get(k, (0.0, now))
+            self.score[k] = (s * self.decay ** (now - t) + 1.0, now)
+        return super().serve(layer, req, protected)
+
+    def key(self, k):
+        s, t = self.score[k]
+        return (-s * self.decay ** (self.calls[k[0]] - t), self.wait(k))
+
+
+def predicted_keys(call, depth=None):
+    """The (layer, expert) pairs a recorded call predicted for the layers
+    after it (a trace entry's third field: [[layer, depth, experts], ...])."""
+    if len(call) < 3:
+        return frozenset()
+    return frozenset((int(l), int(e)) for l, d, experts in call[2]
+                     if depth is None or d <= depth for e in experts)
+
+
+GLOBAL_POLICIES = {
+    "least-stale": lambda c, order: TokenTime(c, order),
+    "decay16-token": lambda c, order: TokenDecay(c, order, 16.0),
+    "predict": lambda c, order: TokenTime(c, order),  # protects the predicted experts
+}
+
+
 def simulate_global(trace, capacity, policy="lru", layers=1):
-    """An online policy over one pool shared by all layers (decay half-lives
-    are scaled by ``layers``: the pool sees every layer's call per token)."""
+    """An online policy over one pool shared by all layers. ``lru`` and
+    ``decay*`` run in call time (decay half-lives scaled by ``layers``: the
+    pool sees every layer's call per token); the ``GLOBAL_POLICIES`` run in
+    token time, ``predict`` protecting the experts predicted for the next
+    layers (recorded with the trace)."""
     if capacity <= 0:
-        return sum(len(r) for _, r in trace)
+        return sum(len(c[1]) for c in trace)
+    if policy in GLOBAL_POLICIES:
+        p = GLOBAL_POLICIES[policy](capacity, sorted({int(c[0]) for c in trace}))
+        predict = policy == "predict"
+        return sum(p.serve(int(c[0]), frozenset((int(c[0]), int(e)) for e in c[1]),
+                           predicted_keys(c) if predict else frozenset()) for c in trace)
     if isinstance(policy, str) and policy.startswith("decay"):
         half, _, adm = policy[5:].partition("+")
         p = (FreqDecayAdmit if adm else FreqDecay)(capacity, float(half) * layers)

@@ -9,6 +9,7 @@ from mlx_lm.utils import _get_classes, load_model
 
 from shared.blob import Manifest, ManifestError
 
+from . import coldstart
 from .streaming import ExpertStore, patch_model
 
 DEFAULT_CACHE_FRACTION = 0.25
@@ -49,11 +50,14 @@ def cast_model(model, dtype):
     model.update(tree_map_with_path(cast, model.parameters()))
 
 
-def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None):
+def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
+                   preload=True):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
-    weights and every expert's floating tensors are cast to it."""
+    weights and every expert's floating tensors are cast to it. With
+    ``preload`` and a ``usage.json`` in the folder (``infer.coldstart``),
+    the cache starts filled with the experts a calibration text used most."""
     model_dir = Path(model_dir)
     manifest = check_prep_folder(model_dir)
     if cache_bytes is None:
@@ -83,6 +87,8 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     tokenizer = load_tokenizer(
         model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
     )
+    if preload and source is not None:  # (infer bench sets its source later)
+        coldstart.preload(store, model_dir)
     return model, tokenizer, store
 
 

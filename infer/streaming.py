@@ -10,11 +10,12 @@ ids remapped to stack positions. The math per (token, expert) is the same
 The stack of a layer has a fixed number of positions; an expert is copied in
 once, in place, and stays until it is evicted: the victim is the expert with
 the lowest access frequency under exponential decay (half-life of 16 calls
-of the layer), ties going to the least recent — on recorded traces of the
-small synthetic model it misses 9% less than LRU at a 25% cache
-(docs/benchmarks.md, `scripts/bench_policies.py`).
-A call that needs more experts than the stack holds (a long prefill with a
-small cache) runs on a temporary compact stack instead.
+of the layer), ties going to the least recent. A call's missed experts are
+placed best-scored first, each only over a victim that scores no higher.
+On trained routing this misses 8-15% less than plain decay at a 10% cache
+(docs/benchmarks.md, `scripts/bench_policies.py`). The experts that find no
+place (a long prefill with a small cache, or one-off experts) run from a
+temporary compact stack.
 """
 
 import time
@@ -74,10 +75,11 @@ def _pin_for_cuda(buf):
 class LayerStack:
     """A layer's cached experts, stacked per tensor at fixed positions.
 
-    Replacement: decayed frequency (``infer.belady.FreqDecay`` is the same
-    rule, simulated); ``tick()`` once per call of the layer, ``touch`` on
-    each hit, ``place`` on each miss. A stack that can hold every expert of
-    its layer keeps expert e at position e, and once full (``complete``)
+    Replacement: decayed frequency, misses placed best-scored first and
+    only over a victim that scores no higher (``infer.belady.FreqDecayRank``
+    is the same rule, simulated); ``tick()`` once per call of the layer,
+    ``touch`` on each hit, ``assign`` for the misses. A stack that can hold
+    every expert of its layer keeps expert e at position e, and once full (``complete``)
     runs exactly like the resident model's weights: no lookup, no sync."""
 
     HALF_LIFE = 16.0  # calls of the layer (tokens, in decode)
@@ -139,22 +141,29 @@ class LayerStack:
                     best, best_s = e, s
         return best
 
-    def place(self, expert, keep):
-        """The position a missed expert goes to (its victim's, or a free
-        one), or None when every cached expert is in ``keep``."""
-        if self.identity:
-            pos = expert
-        elif self._free:
-            pos = self._free.pop()
-        else:
-            victim = self.victim(keep)
-            if victim is None:
-                self._access(expert)  # used from a temporary stack: still counts
-                return None
-            pos = self.position.pop(victim)
-        self.position[expert] = pos
-        self._access(expert)
-        return pos
+    def assign(self, missing, keep):
+        """{expert: position} for a call's ``missing`` experts (None: the
+        call uses it from a temporary stack). The best-scored go first, each
+        to a free position or its victim's, and only while it scores at
+        least as high as that victim: when a call needs more experts than
+        the stack holds, the stack keeps the ones used most."""
+        for e in missing:
+            self._access(e)
+        places = {}
+        for e in sorted(missing, key=lambda e: (-self._now(e), e)):
+            if self.identity:
+                pos = e
+            elif self._free:
+                pos = self._free.pop()
+            else:
+                victim = self.victim(keep)
+                if victim is None or self._now(victim) > self._now(e):
+                    places[e] = None
+                    continue
+                pos = self.position.pop(victim)
+            self.position[e] = pos
+            places[e] = pos
+        return places
 
     def copy_in(self, batch, positions):
         """Copy ``batch``'s records to ``positions``: one native copy for all
@@ -345,7 +354,7 @@ class ExpertStore:
         if not missing:
             return stack.arrays, [stack.position[e] for e in wanted]
         keep = set(wanted)
-        places = {e: stack.place(e, keep) for e in missing}
+        places = stack.assign(missing, keep)
         if all(p is not None for p in places.values()):
             self._fetch(layer, missing, lambda batch: stack.copy_in(
                 batch, [places[e] for e in batch.experts]))
@@ -390,7 +399,7 @@ class ExpertStore:
             want = [e for e in ranked if e not in stack][: stack.capacity - len(stack.position)]
             if not want:
                 continue
-            places = {e: stack.place(e, set(want)) for e in want}
+            places = stack.assign(want, set(want))
             want = [e for e in want if places[e] is not None]
             self._fetch(layer, want, lambda batch: stack.copy_in(
                 batch, [places[e] for e in batch.experts]))

@@ -18,47 +18,110 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from infer.belady import (POLICIES, belady_global, belady_misses, simulate,  # noqa: E402
                           simulate_global)
 
-FRACTIONS = (0.10, 0.25, 0.50)
-PROMPTS = [
-    "The lighthouse keeper counted the ships that passed in the night",
-    "Write a short story about a market town in autumn",
-]
+FRACTIONS = (0.05, 0.10, 0.25, 0.50)
+PROMPT_TOKENS = 32
 
 
-def record(model_dir, tokens):
-    from infer.bench import decode, forced_ids
+def heldout_ids(model_dir, tokenizer):
+    """The text the model never trained on (``heldout.txt`` beside the
+    source checkpoint, copied into the prep folder or found by its name)."""
+    text = (Path(model_dir) / "heldout.txt")
+    return tokenizer.encode(text.read_text(), add_special_tokens=False)
+
+
+def record(model_dir, tokens, text=None, stretches=2):
+    """{name: trace} of ``stretches`` teacher-forced runs over different
+    stretches of ``text`` (default heldout.txt) and as many greedy free runs
+    from prompts taken there. Each call's entry is (layer, experts,
+    [[layer, depth, predicted experts], ...]): the next layers' guesses made
+    at that call (their routers on its input, depth 2)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from infer.bench import decode
     from infer.loader import load_streaming
-    from infer.run import encode_prompt
     from iod.inproc import InprocSource
     from shared.blob import Manifest
 
     manifest = Manifest.load(model_dir)
     source = InprocSource(model_dir)
-    model, tok, store = load_streaming(model_dir, source, manifest.expert_bytes)
-    store.depth = 0
+    model, tok, store = load_streaming(model_dir, source, manifest.expert_bytes, dtype=mx.float32,
+                                         preload=False)
+    ids = tok.encode(Path(text).read_text(), add_special_tokens=False) if text \
+        else heldout_ids(model_dir, tok)
+    store.depth = 2
+    guesses = []
+    prefetch = store.prefetch
+
+    def record_guesses(gs):  # the guesses of the call the trace records next
+        guesses.append((len(store.trace), [[int(l), d, np.unique(np.array(g)).tolist()]
+                                           for l, d, g in gs]))
+        prefetch(gs)
+
+    store.prefetch = record_guesses
     traces = {}
-    for i, prompt in enumerate(PROMPTS):
+    span = PROMPT_TOKENS + tokens
+    for i in range(stretches):
+        start = (i * len(ids) // stretches) % max(len(ids) - span, 1)
+        prompt, follow = ids[start:start + PROMPT_TOKENS], ids[start + PROMPT_TOKENS:start + span]
         for free in (False, True):
-            store.trace = []
-            follow = None if free else forced_ids(tok, tokens)
-            if follow is not None:
-                follow = follow[i * 37:] + follow[: i * 37]  # another stretch of the text
-            decode(model, encode_prompt(tok, prompt), follow, tokens, store)
-            traces[f"p{i}-{'free' if free else 'forced'}"] = [
-                (l, list(map(int, e))) for l, e in store.trace]
+            store.trace, guesses[:] = [], []
+            store.stacks = {}
+            decode(model, prompt, None if free else follow, tokens, store)
+            pred = dict(guesses)
+            traces[f"s{i}-{'free' if free else 'forced'}"] = [
+                (l, list(map(int, e)), pred.get(n, [])) for n, (l, e) in enumerate(store.trace)]
     source.close()
     return traces
 
 
+def table(traces, manifest, policies, global_policies=()):
+    """{budget: row}: misses summed over ``traces`` at each fraction of all
+    expert bytes, per-layer stacks (Belady per layer) and, for
+    ``global_policies``, one pool of the same bytes (against global Belady)."""
+    layers = len(manifest.layers)
+    record_bytes = max(l.record_bytes for l in manifest.layers)
+    rows = {}
+    for frac in FRACTIONS:
+        cap = int(manifest.expert_bytes * frac) // layers // record_bytes
+        row = {"capacity_per_layer": cap, "belady": 0, "belady_global": 0,
+               **{k: 0 for k in policies}, **{f"global {k}": 0 for k in global_policies}}
+        for trace in traces.values():
+            row["belady"] += belady_misses(trace, cap)
+            for k in policies:
+                row[k] += simulate(trace, cap, k)
+            if global_policies:
+                row["belady_global"] += belady_global(trace, cap * layers)
+                for k in global_policies:
+                    row[f"global {k}"] += simulate_global(trace, cap * layers, k, layers)
+        rows[f"{frac * 100:g}%"] = row
+    return rows
+
+
+def markdown(rows, policies, global_policies=()):
+    cols = list(policies) + [f"global {k}" for k in global_policies]
+    head = "| cache | experts/layer | Belady | " + " | ".join(cols) + " |"
+    lines = [head, "|" + "---|" * (3 + len(cols))]
+    for name, row in rows.items():
+        cells = [f"{row[k]} ({row[k] / max(row['belady'], 1):.2f}×)" for k in cols]
+        lines.append(f"| {name} | {row['capacity_per_layer']} | {row['belady']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="prep folder")
+    p.add_argument("--text", default=None, help="text to follow and prompt from "
+                   "(default: heldout.txt in the prep folder)")
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--stretches", type=int, default=2)
     p.add_argument("--trace", type=Path, help="reuse (or save) the recorded traces here")
     p.add_argument("--json", type=Path)
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--global-pool", action="store_true",
-                   help="also simulate one pool shared by all layers (Belady of that pool too)")
+    p.add_argument("--global-policies", default="",
+                   help="also simulate one pool shared by all layers with these policies "
+                        "(e.g. lru,least-stale,predict); global Belady printed beside")
     args = p.parse_args(argv)
 
     from shared.blob import Manifest
@@ -67,34 +130,15 @@ def main(argv=None):
     if args.trace and args.trace.exists():
         traces = json.loads(args.trace.read_text())
     else:
-        traces = record(args.model, args.tokens)
+        traces = record(args.model, args.tokens, args.text, args.stretches)
         if args.trace:
             args.trace.write_text(json.dumps(traces))
-    layers = len(manifest.layers)
-    record_bytes = max(l.record_bytes for l in manifest.layers)
     policies = args.policies.split(",")
-    rows = {}
-    for frac in FRACTIONS:
-        cap = int(manifest.expert_bytes * frac) // layers // record_bytes
-        row = {"capacity_per_layer": cap, "belady": 0, **{k: 0 for k in policies}}
-        for trace in traces.values():
-            row["belady"] += belady_misses(trace, cap)
-            for k in policies:
-                row[k] += simulate(trace, cap, k)
-        rows[f"{int(frac * 100)}%"] = row
-        if args.global_pool:
-            g = {"capacity_per_layer": cap, "belady": 0, **{k: 0 for k in policies}}
-            for trace in traces.values():
-                g["belady"] += belady_global(trace, cap * layers)
-                for k in policies:
-                    g[k] += simulate_global(trace, cap * layers, k, layers)
-            rows[f"{int(frac * 100)}% global"] = g
-    head = "| cache | experts/layer | Belady | " + " | ".join(policies) + " |"
-    print(head)
-    print("|" + "---|" * (3 + len(policies)))
-    for name, row in rows.items():
-        cells = [f"{row[k]} ({row[k] / row['belady']:.2f}×)" for k in policies]
-        print(f"| {name} | {row['capacity_per_layer']} | {row['belady']} | " + " | ".join(cells) + " |")
+    gpol = [k for k in args.global_policies.split(",") if k]
+    rows = table(traces, manifest, policies, gpol)
+    print(markdown(rows, policies, gpol))
+    if gpol:
+        print("global Belady: " + ", ".join(f"{k} {r['belady_global']}" for k, r in rows.items()))
     calls = sum(len(t) for t in traces.values())
     print(f"\n{len(traces)} traces, {calls} calls, {args.tokens} tokens each")
     if args.json:

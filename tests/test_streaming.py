@@ -83,7 +83,7 @@ def _batch(layout, values):
 
 
 def _insert(stack, layout, e, keep=()):
-    pos = stack.place(e, keep)
+    pos = stack.assign([e], set(keep) | {e})[e]
     if pos is not None:
         stack.copy_in(_batch(layout, [e]), [pos])
     return pos is not None
@@ -111,7 +111,8 @@ def test_stack_copies_a_batch_in_one_go_and_keeps_identity_positions():
     stack = LayerStack(layout, capacity=4)  # holds every expert: expert e at position e
     assert stack.identity and not stack.complete
     batch = _batch(layout, [3, 1])
-    positions = [stack.place(e, keep={3, 1}) for e in batch.experts]
+    places = stack.assign(batch.experts, keep={3, 1})
+    positions = [places[e] for e in batch.experts]
     assert positions == [3, 1]
     stack.copy_in(batch, positions)
     for key in stack.arrays:
@@ -119,5 +120,5 @@ def test_stack_copies_a_batch_in_one_go_and_keeps_identity_positions():
             assert (stack.arrays[key][e] == e).all().item(), key
         assert (stack.arrays[key][0] == 0).all().item()
     for e in (0, 2):
-        stack.copy_in(_batch(layout, [e]), [stack.place(e, keep={e})])
+        stack.copy_in(_batch(layout, [e]), [stack.assign([e], keep={e})[e]])
     assert stack.complete

@@ -1,0 +1,91 @@
+"""Cold start: load first the experts a calibration text uses most.
+
+``usage.json`` beside a prep folder's manifest holds, per MoE layer, how
+many calibration tokens were routed to each expert. When it exists,
+``infer.loader.load_streaming`` fills each layer's stack with that layer's
+most used experts before the first token (``ExpertStore.preload``), as far
+as the cache has room, so the first tokens do not pay a miss for every
+expert they need.
+
+    from infer.coldstart import calibrate
+    calibrate(prep_folder, text)  # e.g. from `infer prep --calibrate TEXT`
+"""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+USAGE_NAME = "usage.json"
+CALIBRATION_TOKENS = 512  # enough for the popular experts of a layer to stand out
+
+
+def count_trace(trace):
+    """{layer: Counter(expert -> calls)} of an ``ExpertStore.trace``; a
+    decode trace has one call per token, so these are token counts."""
+    counts = {}
+    for call in trace:
+        counts.setdefault(int(call[0]), Counter()).update(int(e) for e in call[1])
+    return counts
+
+
+def usage_order(counts):
+    """{layer: [experts, most used first]} (ties by expert id)."""
+    return {layer: sorted(c, key=lambda e: (-c[e], e)) for layer, c in counts.items()}
+
+
+def write_usage(folder, counts, tokens):
+    """Write ``usage.json`` into the prep ``folder``."""
+    data = {"tokens": tokens,
+            "layers": {str(l): {str(e): n for e, n in sorted(c.items())} for l, c in sorted(counts.items())}}
+    path = Path(folder) / USAGE_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def read_usage(folder):
+    """{layer: Counter} from the folder's ``usage.json``, or None without one."""
+    path = Path(folder) / USAGE_NAME
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return {int(l): Counter({int(e): int(n) for e, n in c.items()}) for l, c in data["layers"].items()}
+
+
+def calibrate(folder, text, max_tokens=CALIBRATION_TOKENS):
+    """Route ``text`` (its first ``max_tokens`` tokens, one token a step as
+    in decode) through the prep ``folder``'s model with every expert cached,
+    count the experts each layer uses, and write ``usage.json``."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from iod.inproc import InprocSource
+    from shared.blob import Manifest
+
+    from .loader import load_streaming
+
+    manifest = Manifest.load(folder)
+    source = InprocSource(folder)
+    try:
+        model, tok, store = load_streaming(folder, source, manifest.expert_bytes, dtype=mx.float32,
+                                           preload=False)
+        store.depth = 0
+        store.trace = []
+        ids = tok.encode(text, add_special_tokens=False)[:max_tokens]
+        cache = make_prompt_cache(model)
+        for t in ids:
+            mx.eval(model(mx.array([[t]]), cache=cache))
+    finally:
+        source.close()
+    counts = count_trace(store.trace)
+    write_usage(folder, counts, len(ids))
+    return counts
+
+
+def preload(store, folder):
+    """Fill ``store``'s stacks with each layer's most used experts when the
+    folder has a ``usage.json``; returns the experts loaded (0 without)."""
+    counts = read_usage(folder)
+    if not counts or store.cache_bytes <= 0:
+        return 0
+    return store.preload(usage_order(counts))

@@ -1,0 +1,173 @@
+"""Cache policies (infer.belady) on scripted traces whose answer is known,
+the live LayerStack against its simulation on trained routing, exact greedy
+ids with the policy, and the cold-start usage file (infer.coldstart)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from infer import coldstart
+from infer.belady import belady_global, belady_misses, simulate, simulate_global
+
+ARCHS = ["qwen3_moe", "qwen3_next"]
+
+
+def heldout_ids(folder, tok):
+    return tok.encode((folder / "heldout.txt").read_text(), add_special_tokens=False)
+
+
+def test_rank_keeps_the_used_experts_out_of_reach_of_one_offs():
+    """Expert 9 is used three times; a call of two one-off experts then
+    finds one free position: decay16 gives it to 0 and evicts 9 for 1, the
+    ranked rule lets neither one-off replace 9 (Belady does the same)."""
+    trace = [(0, [9])] * 3 + [(0, [0, 1])] + [(0, [9])] * 2
+    assert simulate(trace, 2, "decay16+rank") == 3 == belady_misses(trace, 2)
+    assert simulate(trace, 2, "decay16") == 4
+    # the old rule on a scan: LRU loses what it had, the ranked rule does not
+    trace = [(0, [2, 3])] * 3 + [(0, [0, 1]), (0, [2, 3])]
+    assert simulate(trace, 2, "lru") == 6 and simulate(trace, 2, "decay16+rank") == 4
+
+
+def test_frequency_keeps_the_expert_used_three_times_lru_does_not():
+    trace = [(0, [0])] * 3 + [(0, [1]), (0, [2]), (0, [0])]
+    assert simulate(trace, 2, "lru") == 4  # 2 evicts 0, the least recent
+    assert simulate(trace, 2, "lfu") == 3 == simulate(trace, 2, "decay16") == belady_misses(trace, 2)
+
+
+def test_arc_keeps_experts_seen_twice_through_a_scan():
+    trace = [(0, [e]) for e in [0, 1, 0, 1, 2, 3, 4, 0, 1]]
+    assert simulate(trace, 2, "lru") == 7
+    assert simulate(trace, 2, "arc") == 6  # 1 survives the scan 2, 3, 4
+    assert belady_misses(trace, 2) == 5
+
+
+def test_least_stale_ages_experts_in_tokens_not_calls():
+    """Three layers with one fixed expert each in a pool of three; layer 2
+    uses a one-off expert once. Call-time LRU then evicts each layer's
+    expert just before its layer comes round (a cascade); token time evicts
+    the one-off as soon as its layer has gone by without it."""
+    trace = [(l, [0] + ([9] if (l, tok) == (2, 2) else [])) for tok in range(6) for l in range(3)]
+    assert belady_global(trace, 3) == 4
+    assert simulate_global(trace, 3, "lru", 3) == 7
+    assert simulate_global(trace, 3, "least-stale", 3) == 6
+    assert simulate_global(trace, 3, "decay16-token", 3) == 5
+
+
+def test_prediction_aware_protects_what_the_next_layer_is_predicted_to_use():
+    """Layer 1's expert 0 went unused for a token (stale), but layer 0's call
+    predicts it for layer 1: least-stale evicts it and misses it at once,
+    the prediction-aware pool evicts the fresher (1, 5) instead."""
+    trace = [(0, [0]), (1, [0]), (0, [0]), (1, [5]),
+             (0, [0, 1], [[1, 1, [0]]]), (1, [0])]
+    assert simulate_global(trace, 3, "least-stale", 2) == 5
+    assert simulate_global(trace, 3, "predict", 2) == 4 == belady_global(trace, 3)
+
+
+def _decode(model, ids, n):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([ids[:16]]), cache=cache))
+    for t in ids[16:16 + n]:
+        mx.eval(model(mx.array([[t]]), cache=cache))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_live_stack_misses_what_its_simulation_misses(arch, trained_model, trained_prep):
+    """On trained routing (prefill then teacher-forced decode), at budgets
+    below a call's top-k (the ranked bypass) and above it, the store's
+    misses are the simulated decay16+rank's, and never below Belady's."""
+    from infer.loader import load_streaming
+    from iod.inproc import InprocSource
+
+    prep = trained_prep(arch)
+    source = InprocSource(prep)
+    try:
+        model, tok, store = load_streaming(prep, source, 0, dtype=mx.float32, preload=False)
+        ids = heldout_ids(trained_model(arch), tok)[200:]
+        store.depth = 0
+        for fraction in (0.05, 0.10, 0.25):
+            store.stacks = {}
+            store.stats["misses"] = 0
+            store.cache_bytes = int(source.manifest.expert_bytes * fraction)
+            store.trace = []
+            _decode(model, ids, 48)
+            cap = {l: s.capacity for l, s in store.stacks.items()}
+            assert store.stats["misses"] == simulate(store.trace, cap, "decay16+rank"), fraction
+            assert belady_misses(store.trace, cap) <= store.stats["misses"]
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_ids_equal_mlx_lm_with_the_ranked_policy(arch, trained_model, trained_prep):
+    """10% of the expert bytes (fewer positions than a call's top-k: calls
+    run partly from temporary stacks) with a calibrated cold start."""
+    import mlx_lm
+
+    from infer.loader import load_streaming
+    from iod.inproc import InprocSource
+
+    ref_model, tok = mlx_lm.load(str(trained_model(arch)))
+    ids = heldout_ids(trained_model(arch), tok)[:40]
+    ref = [t for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=24)]
+    prep = trained_prep(arch)
+    source = InprocSource(prep)
+    try:
+        model, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.1))
+        out = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=24)]
+        assert out == ref
+        assert store.stats["misses"] > 0
+    finally:
+        source.close()
+
+
+def test_usage_file_round_trip_and_preload_order(tmp_path, trained_model, trained_prep):
+    """calibrate() writes usage.json; it reads back as the counts; a store
+    loaded from the folder starts with each layer's most used experts."""
+    import shutil
+
+    from infer.loader import load_streaming
+    from iod.inproc import InprocSource
+
+    prep = tmp_path / "prep"
+    shutil.copytree(trained_prep("qwen3_moe"), prep)
+    (prep / coldstart.USAGE_NAME).unlink(missing_ok=True)
+    assert coldstart.read_usage(prep) is None
+    text = (trained_model("qwen3_moe") / "heldout.txt").read_text()
+    counts = coldstart.calibrate(prep, text, max_tokens=64)
+    assert coldstart.read_usage(prep) == counts
+    assert all(sum(c.values()) == 64 * 8 for c in counts.values())  # top-8 per token
+    order = coldstart.usage_order(counts)
+    source = InprocSource(prep)
+    try:
+        _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.25))
+        for layer, stack in store.stacks.items():
+            assert set(stack.position) == set(order[layer][: stack.capacity])
+        assert store.stats["fetched_bytes"] > 0 and store.stats["misses"] == 0
+    finally:
+        source.close()
+
+
+def test_policy_table_sums_traces_per_budget():
+    """scripts/bench_policies.py: each budget's row is Belady and each policy
+    summed over the traces, at the session cache's per-layer capacity."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).parents[1] / "scripts" / "bench_policies.py"
+    spec = importlib.util.spec_from_file_location("bench_policies", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    layers = [SimpleNamespace(record_bytes=100)] * 2
+    manifest = SimpleNamespace(layers=layers, expert_bytes=2 * 20 * 100)  # 20 experts a layer
+    trace = [(l, [e % 7, (e + 1) % 7]) for e in range(30) for l in (0, 1)]
+    rows = bench.table({"a": trace, "b": trace}, manifest, ["lru", "decay16+rank"], ["least-stale"])
+    row = rows["25%"]
+    assert row["capacity_per_layer"] == 5
+    assert row["belady"] == 2 * belady_misses(trace, 5)
+    assert row["lru"] == 2 * simulate(trace, 5, "lru")
+    assert row["global least-stale"] == 2 * simulate_global(trace, 10, "least-stale", 2)
+    assert row["belady_global"] == 2 * belady_global(trace, 10) <= row["belady"]
+    assert "| 25% | 5 |" in bench.markdown(rows, ["lru"])
