@@ -164,7 +164,10 @@ class MemoryCgroup:
             stat = self._keyed("memory.stat")
             return {"peak": int(self._read("memory.max_usage_in_bytes")),
                     "usage": int(self._read("memory.usage_in_bytes")),
-                    "failcnt": int(self._read("memory.failcnt")),
+                    # with memsw capped too, a charge fails on memsw's counter first
+                    "failcnt": max(int(self._read(f)) for f in ("memory.failcnt",
+                                                                 "memory.memsw.failcnt")
+                                   if (self.path / f).exists()),
                     "oom_kill": oom.get("oom_kill", 0), "under_oom": oom.get("under_oom", 0),
                     "cache": stat.get("total_cache", stat.get("cache", 0)),
                     "rss": stat.get("total_rss", stat.get("rss", 0)),

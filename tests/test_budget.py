@@ -140,35 +140,51 @@ def _infer_json(args, env, cg=None, timeout=300):
     return proc.returncode, out, err
 
 
+def _mlx_greedy_ids(src, prompt, n):
+    """mlx-lm's greedy ids on the model folder itself (float32 weights)."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+    from mlx_lm.generate import generate_step
+
+    from infer.run import encode_prompt
+
+    model, tokenizer = mlx_load(str(src))
+    ids = mx.array(encode_prompt(tokenizer, prompt))
+    out = []
+    for t, _ in generate_step(ids, model, max_tokens=n):
+        if int(t) in tokenizer.eos_token_ids:
+            break
+        out.append(int(t))
+    return out
+
+
 @pytest.mark.skipif(NO_CGROUP is not None, reason=f"no memory cgroup here: {NO_CGROUP}")
-def test_infer_run_fits_in_a_memory_cgroup_of_its_budget(prep_model, tmp_path):
+def test_infer_run_fits_in_a_memory_cgroup_of_its_budget(synth_model, prep_model, tmp_path):
     """`infer run --mem-budget B` (its private daemon and arena, MLX's buffers
     and the page cache it causes) runs in a fresh memory cgroup of exactly B,
-    at the minimum budget and at a middle one: no OOM kill, exit 0, and the
-    tokens of a run with every expert cached."""
+    at the minimum budget, a middle one and the model's size: no OOM kill,
+    exit 0, mlx-lm's greedy ids; one byte below the minimum is refused."""
     from infer.budget import context_tokens
 
-    prep = prep_model("qwen3_moe")
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
     manifest = Manifest.load(prep)
     n = 12
-    common = ["--model", str(prep), "-p", PROMPT, "-m", str(n), "--dtype", "float32"]
-    env = dict(os.environ, IOD_RUN_DIR=str(tmp_path / "ref"))
-    rc, out, err = _infer_json(common + ["--mem-budget", "4G"], env)
-    assert rc == 0, err
-    want = json.loads(out)["tokens"]
+    want = _mlx_greedy_ids(src, PROMPT, n)
     assert len(want) == n
 
+    common = ["--model", str(prep), "-p", PROMPT, "-m", str(n), "--dtype", "float32"]
     context = context_tokens(PROMPT, n)
     minimum = minimum_budget(prep, manifest, dtype="float32", context=context)
     experts = sum(l.num_experts * stack_record_bytes(l, "float32") for l in manifest.layers)
     middle = minimum + experts // 2
-    plans = [plan_memory(b, prep, manifest, dtype="float32", context=context)
-             for b in (minimum, middle)]
+    model_size = sum(p.stat().st_size for p in prep.iterdir() if p.is_file())
+    budgets = (minimum, middle, max(model_size, middle))
+    plans = [plan_memory(b, prep, manifest, dtype="float32", context=context) for b in budgets]
     # the minimum runs every call on a compact stack of one token's experts;
     # the middle one caches about half of them
     assert set(plans[0].capacity.values()) == {1} and plans[0].prefill_step == 1
     assert 1 < min(plans[1].capacity.values()) < max(l.num_experts for l in manifest.layers)
-    for i, budget in enumerate((minimum, middle)):
+    for i, budget in enumerate(budgets):
         drop_page_cache([prep])  # charged for what it reads, not found cached
         env = dict(os.environ, IOD_RUN_DIR=str(tmp_path / f"run{i}"))
         with cgroup.MemoryCgroup(budget) as cg:
@@ -180,3 +196,10 @@ def test_infer_run_fits_in_a_memory_cgroup_of_its_budget(prep_model, tmp_path):
         assert rc == 0, err
         assert stats["peak"] is None or stats["peak"] <= budget
         assert json.loads(out)["tokens"] == want, f"budget {budget}"
+    # below the minimum: one line naming it, exit 2, before anything loads
+    env = dict(os.environ, IOD_RUN_DIR=str(tmp_path / "below"))
+    rc, out, err = _infer_json(common + ["--mem-budget", str(minimum - 1)], env)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    from shared.units import format_size
+
+    assert f"below the minimum {format_size(minimum)}" in err
