@@ -1,52 +1,100 @@
-"""Split a session's memory budget: resident weights, working set, runtime,
-the private daemon (when the session starts one), and the expert cache.
+"""Split a session's memory budget: runtime, resident weights, KV cache and
+activations, the prefill's working set, the private daemon (when the
+session starts one), and the expert cache.
 
-``--mem-budget`` bounds everything the session costs: the inference
-process (runtime, resident weights, KV cache and activations, the expert
-stacks, the records of one call being copied in) and, when no shared daemon
-runs, the private daemon it starts (its runtime and its arena). A private
-daemon's arena is only a staging area — records land there and are copied
-into the session's stacks — so it is sized to one layer's worst call plus
-the prefetches in flight, never as a second cache. The expert cache gets
-what is left. A shared daemon's arena belongs to the user's daemon, not to
-any session, so it is not part of a session's budget.
+``--mem-budget B`` means the whole process tree — the inference process,
+the private daemon it starts, the daemon's arena, MLX's buffers and the page
+cache it causes — fits in a memory cgroup of B bytes (``scripts/bench_cgroup.py``
+and ``tests/test_budget.py`` run it in one). Every part is planned at the
+size it really takes, not as stored on disk:
+
+- the resident weights and the expert stacks at the compute dtype
+  (``--dtype float32`` doubles a bfloat16 folder's scales and norms);
+- the runtime as a memory cgroup charges it (anonymous memory, plus a
+  reserve for the library pages in use), measured;
+- the KV cache for the session's context and the activations of one
+  prefill step;
+- the prefill's working set: a prefill call that needs more experts than a
+  layer's stack holds runs on a temporary compact stack, so the plan bounds
+  the experts one call can need by choosing mlx-lm's ``prefill_step_size``
+  (a step of s tokens needs at most s × top-k experts);
+- a private daemon's arena, a staging area only (records land there and
+  are copied into the stacks), sized to one decode call's records plus the
+  prefetches in flight; a larger call comes in waves.
+
+The expert cache gets what is left. A shared daemon's arena belongs to the
+user's daemon, not to one session, and is left out.
 """
 
 import glob
 import json
 import os
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.units import format_size
 
-# Python, MLX, NumPy and ZeroMQ loaded, before any weights (measured on Linux).
-RUNTIME_OVERHEAD = 160 << 20
-# A daemon's own memory besides its arena: Python, ZeroMQ, NumPy, reader threads.
-DAEMON_OVERHEAD = 64 << 20
-# KV cache and activations of a short session (float32, small models), and
-# the allocator's slack; long contexts need a larger budget.
-ACTIVATIONS = 64 << 20
+# The inference process's own memory as a memory cgroup charges it, without
+# weights, stacks or KV cache: Python, MLX, NumPy, ZeroMQ, mlx-lm and the
+# tokenizer code loaded, glibc's and MLX's allocator slack during a run
+# (measured in a memory cgroup: 62-76 MiB anonymous on Linux x86 with the
+# allocator settings of ``limit_process``), plus a reserve for the library
+# pages it keeps using (reclaimable, but charged to the cgroup that reads
+# them first).
+RUNTIME_OVERHEAD = 96 << 20
+# A daemon's own memory besides its arena (measured: 23 MiB anonymous) and
+# its library pages.
+DAEMON_OVERHEAD = 32 << 20
+# Activations of one decode step and the small buffers MLX keeps for reuse.
+ACTIVATIONS = 16 << 20
+# MLX's cache of freed buffers beyond half the working set (MLX's default:
+# 32 MiB on a Linux CPU, its memory limit elsewhere).
+MLX_CACHE_LIMIT = 8 << 20
+# Context assumed for the KV cache when the caller does not say (serve).
+DEFAULT_CONTEXT = 4096
+# mlx-lm's default, kept when the stacks hold every expert.
+PREFILL_STEP = 2048
+# Share of the budget a prefill's compact stack may take (beyond its floor
+# of one token's experts).
+WORKING_SHARE = 0.10
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4,
+             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_FLOATS = {"F64", "F32", "F16", "BF16"}
+_DTYPE_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+_MLX_ITEMSIZE = {"uint32": 4, "uint16": 2, "uint8": 1, "int8": 1, "int32": 4,
+                 "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
 class MemoryPlan:
     budget: int
-    resident_bytes: int
-    working_bytes: int
-    overhead_bytes: int
-    cache_bytes: int
+    resident_bytes: int  # resident weights at the compute dtype
+    working_bytes: int  # the prefill's compact stack, at most
+    overhead_bytes: int  # the inference process's runtime
+    cache_bytes: int  # the expert cache, in record bytes as stored (ExpertStore's unit)
     arena_bytes: int = 0  # the private daemon's arena (0: shared daemon)
     daemon_bytes: int = 0  # the private daemon's runtime
+    kv_bytes: int = 0  # KV cache for the planned context
+    activation_bytes: int = 0  # one prefill step's activations
+    mlx_cache_bytes: int = MLX_CACHE_LIMIT  # freed buffers MLX keeps for reuse
+    stack_bytes: int = 0  # what the cache costs at the compute dtype
+    prefill_step: int = PREFILL_STEP  # tokens per prefill call (mlx-lm's prefill_step_size)
+    capacity: dict = field(default_factory=dict)  # layer -> experts its stack holds
+    floor: int = 0  # the smallest budget this model, context and dtype accept
 
     @property
     def minimum(self) -> int:
-        return (self.resident_bytes + self.working_bytes + self.overhead_bytes
-                + self.arena_bytes + self.daemon_bytes)
+        return (self.resident_bytes + self.working_bytes + self.overhead_bytes + self.kv_bytes
+                + self.activation_bytes + self.mlx_cache_bytes + self.arena_bytes
+                + self.daemon_bytes)
 
     def describe(self) -> str:
         parts = [f"resident weights {format_size(self.resident_bytes)}",
                  f"working set {format_size(self.working_bytes)}",
+                 f"KV cache and activations {format_size(self.kv_bytes + self.activation_bytes)}",
+                 f"MLX buffer cache {format_size(self.mlx_cache_bytes)}",
                  f"runtime {format_size(self.overhead_bytes)}"]
         if self.arena_bytes:
             parts.append(f"private iod arena {format_size(self.arena_bytes)} "
@@ -54,52 +102,183 @@ class MemoryPlan:
         return " + ".join(parts)
 
 
-def resident_bytes(model_dir) -> int:
-    files = glob.glob(str(Path(model_dir) / "model*.safetensors"))
-    return sum(os.path.getsize(f) for f in files)
+def _config(model_dir) -> dict:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {**config.get("text_config", {}), **config}
+
+
+def _safetensors_header(path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def resident_files(model_dir) -> list:
+    return sorted(glob.glob(str(Path(model_dir) / "model*.safetensors")))
+
+
+def resident_bytes(model_dir, dtype=None) -> int:
+    """The resident weights' size in memory: as stored, or with every
+    floating tensor at ``dtype`` (a name, e.g. "float32"), as ``--dtype``
+    casts them (an upper bound: a model's cast predicate may keep a few)."""
+    files = resident_files(model_dir)
+    if dtype is None:
+        return sum(os.path.getsize(f) for f in files)
+    size = _DTYPE_SIZE[str(dtype).replace("mlx.core.", "")]
+    total = 0
+    for f in files:
+        for t in _safetensors_header(f).values():
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            total += n * (size if t["dtype"] in _FLOATS else _ITEMSIZE.get(t["dtype"], 4))
+    return total
+
+
+def stack_record_bytes(layout, dtype=None) -> int:
+    """One expert's bytes in a layer stack: its segments, floats at ``dtype``."""
+    size = _DTYPE_SIZE.get(str(dtype).replace("mlx.core.", "")) if dtype is not None else None
+    total = 0
+    for s in layout.segments:
+        n = 1
+        for d in s.shape:
+            n *= d
+        floating = s.dtype in _DTYPE_SIZE
+        total += n * (size if size and floating else _MLX_ITEMSIZE[s.dtype])
+    return total
 
 
 def top_k(model_dir) -> int:
     """Experts each token is routed to (the model's top-k)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    config = {**config.get("text_config", {}), **config}
+    config = _config(model_dir)
     return int(config.get("num_experts_per_tok") or config.get("moe_topk") or 8)
 
 
-def staging_arena_bytes(manifest, depth=2, top_k=8) -> int:
-    """A private daemon's arena: one layer's worst call (every expert of the
-    layer, as in a long prefill) plus the prefetches of ``depth`` layers."""
-    most = max(l.num_experts for l in manifest.layers)
-    slots = most + (depth + 1) * top_k
+def kv_bytes_per_token(model_dir, dtype=None) -> int:
+    """KV cache bytes per token of context, all layers: 2 × KV heads × head
+    dim per layer (full attention everywhere: an upper bound for models with
+    linear-attention or sliding-window layers)."""
+    c = _config(model_dir)
+    layers = int(c.get("num_hidden_layers", 1))
+    hidden = int(c.get("hidden_size", 1024))
+    heads = int(c.get("num_attention_heads", 1))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or hidden // max(heads, 1))
+    if "kv_lora_rank" in c:  # MLA: mlx-lm caches full per-head keys and values
+        head_dim = int(c.get("qk_nope_head_dim", head_dim)) + int(c.get("qk_rope_head_dim", 0))
+        kv_heads = heads
+    size = _DTYPE_SIZE.get(str(dtype).replace("mlx.core.", ""), 0) or \
+        _DTYPE_SIZE.get(str(c.get("torch_dtype", "bfloat16")), 2)
+    return layers * 2 * kv_heads * head_dim * size
+
+
+def activation_bytes(model_dir, step, context, dtype=None) -> int:
+    """One prefill step of ``step`` tokens at ``context``: the hidden states
+    and MLP intermediates of a layer, the attention scores."""
+    c = _config(model_dir)
+    hidden = int(c.get("hidden_size", 1024))
+    heads = int(c.get("num_attention_heads", 1))
+    inter = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden)
+    dense = int(c.get("intermediate_size") or inter)
+    k = top_k(model_dir)
+    per_token = 32 * hidden + 3 * k * inter + 3 * dense + 2 * heads * context
+    return ACTIVATIONS + step * per_token * 4
+
+
+def staging_arena_bytes(manifest, depth=2, top_k=8, prefill=True) -> int:
+    """A private daemon's arena: one decode call's records plus the
+    prefetches of ``depth`` layers, and with ``prefill`` a whole layer's
+    experts besides (a prefill's call in one wave). Without it a larger call
+    is served in waves of the session's share (what ``plan_memory`` plans:
+    waves cost round trips, not reads)."""
+    slots = (depth + 1) * top_k
+    if prefill:
+        slots += max(l.num_experts for l in manifest.layers)
     return slots * manifest.max_stride + (1 << 20)  # + header and slot table
 
 
-def working_bytes(manifest, top_k=8) -> int:
-    """A call's transient expert copies: the fetched records as MLX arrays and,
-    when a call needs more experts than the stack holds, a temporary compact
-    stack of them all (the worst case is one layer's every expert), plus the
-    KV cache and activations."""
-    worst = max(l.num_experts * l.record_bytes for l in manifest.layers)
-    return 2 * worst + ACTIVATIONS
+def _round_up(n, step):
+    return -(-n // step) * step
 
 
-def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2) -> MemoryPlan:
+def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2, dtype=None,
+                context=None) -> MemoryPlan:
     """The cache size that keeps the session within ``budget``, or ValueError
-    naming the minimum budget. With ``private_daemon`` the budget also holds
-    the daemon the session starts and its staging arena."""
+    naming the minimum budget. ``dtype``: the compute dtype's name (None:
+    the folder's own); ``context``: tokens of prompt and generation (KV
+    cache; default ``DEFAULT_CONTEXT``); with ``private_daemon`` the budget
+    also holds the daemon the session starts and its staging arena."""
     k = top_k(model_dir)
-    plan = MemoryPlan(budget, resident_bytes(model_dir), working_bytes(manifest, k),
-                      RUNTIME_OVERHEAD, 0)
+    layouts = manifest.layers
+    real = {l.layer: stack_record_bytes(l, dtype) for l in layouts}
+    most = max(l.num_experts for l in layouts)
+    worst = max(real.values())
+    context = context or DEFAULT_CONTEXT
+    kv = kv_bytes_per_token(model_dir, dtype) * _round_up(context, 256)  # mlx-lm grows it by 256
+    plan = MemoryPlan(budget, resident_bytes(model_dir, dtype), 0, RUNTIME_OVERHEAD, 0,
+                      kv_bytes=kv)
     if private_daemon:
-        plan.arena_bytes = staging_arena_bytes(manifest, depth, k)
+        plan.arena_bytes = staging_arena_bytes(manifest, depth, k, prefill=False)
         plan.daemon_bytes = DAEMON_OVERHEAD
-    if budget < plan.minimum:
-        raise ValueError(
-            f"memory budget {format_size(budget)} is below the minimum "
-            f"{format_size(plan.minimum)} ({plan.describe()})"
-        )
-    # whole experts only, per layer: what does not make a position is left free
-    plan.cache_bytes = budget - plan.minimum
+
+    def fixed(step, experts):
+        """Plan a prefill of ``step`` tokens per call whose compact stack
+        holds at most ``experts``: it and the records staged into it are the
+        working set. Returns the budget this needs with one expert per stack."""
+        plan.prefill_step = step
+        plan.working_bytes = 2 * experts * worst
+        # freed compact stacks are reused from MLX's cache, not reallocated
+        plan.mlx_cache_bytes = MLX_CACHE_LIMIT + plan.working_bytes // 2
+        plan.activation_bytes = activation_bytes(model_dir, min(step, context), context, dtype)
+        return plan.minimum + sum(real.values())  # every stack has one position
+
+    # the floor: one token per prefill call, a compact stack of its experts
+    floor = fixed(1, min(most, k))
+    plan.floor = floor
+    if budget < floor:
+        raise ValueError(f"memory budget {format_size(budget)} is below the minimum "
+                         f"{format_size(floor)} ({plan.describe()})")
+    # the stacks hold every expert: no call ever needs a compact stack
+    if budget - fixed(PREFILL_STEP, 0) >= sum(l.num_experts * real[l.layer] for l in layouts) \
+            - sum(real.values()):
+        return _fill(plan, budget, manifest, real)
+    # more tokens per call, as the working share of the budget allows
+    experts = min(most, max(k, int(WORKING_SHARE * budget) // (2 * worst)))
+    if budget < fixed(max(1, experts // k), experts):
+        fixed(1, min(most, k))
+    _fill(plan, budget, manifest, real)
+    # a step whose experts fit in every stack needs no compact stack: its
+    # reserve goes to the cache, and the step grows as far as the stacks allow
+    cap = min(plan.capacity.values())
+    if cap >= plan.prefill_step * k:
+        step = plan.prefill_step
+        if budget < fixed(max(step, min(cap // k, PREFILL_STEP)), 0):
+            fixed(step, 0)
+        _fill(plan, budget, manifest, real)
+    return plan
+
+
+def minimum_budget(model_dir, manifest, private_daemon=True, depth=2, dtype=None,
+                   context=None) -> int:
+    """The smallest budget ``plan_memory`` accepts."""
+    return plan_memory(1 << 50, model_dir, manifest, private_daemon, depth, dtype, context).floor
+
+
+def _fill(plan, budget, manifest, real):
+    """The expert cache gets what is left: the same share for every layer
+    (as ``ExpertStore`` splits it), whole experts at their real size, one
+    position per stack at least (a stack always has one)."""
+    layouts = manifest.layers
+    free = budget - plan.minimum - sum(real.values())
+    share = max(0, free) // len(layouts)
+    plan.capacity = {l.layer: min(l.num_experts, 1 + share // real[l.layer]) for l in layouts}
+    plan.stack_bytes = sum(c * real[l] for l, c in plan.capacity.items())
+    # ExpertStore's unit: record bytes as stored, split evenly, whole records
+    # per layer; the largest share that gives no layer more than planned
+    nominal = min((plan.capacity[l.layer] + 1) * l.record_bytes - 1 for l in layouts)
+    plan.cache_bytes = nominal * len(layouts)
     return plan
 
 
@@ -114,3 +293,46 @@ def shared_daemon_running() -> bool:
         return sock.exists() and lock_holder(paths.lock_path(sock.parent)) != 0
     except OSError:
         return False
+
+
+def context_tokens(prompt: str, max_tokens: int, system_prompt=None, max_kv_size=None) -> int:
+    """An upper bound on a session's context before the prompt is tokenized:
+    a byte-level tokenizer's token covers at least one byte, and a chat
+    template adds a few dozen tokens."""
+    n = len(prompt.encode("utf-8")) + len((system_prompt or "").encode("utf-8")) + 64 + max_tokens
+    return min(n, max_kv_size) if max_kv_size else n
+
+
+def limit_process(plan) -> None:
+    """Make this process keep to the plan's allocator assumptions: MLX keeps
+    at most ``plan.mlx_cache_bytes`` of freed buffers, and glibc returns large freed blocks to the system
+    (mmap above 1 MiB; at most two malloc arenas, not eight per core, each
+    of which keeps freed memory for itself: ~30 MiB less at the same load)."""
+    import mlx.core as mx
+
+    mx.set_cache_limit(plan.mlx_cache_bytes)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixed: no dynamic raise)
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def release_page_cache(model_dir) -> None:
+    """Drop the resident weights' pages from the page cache once they are
+    loaded: a memory cgroup charges the page cache that reading them caused,
+    and the weights are in the process's own memory now."""
+    for f in resident_files(model_dir):
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)

@@ -158,13 +158,15 @@ def _main(args) -> int:
         if args.profile:
             check_profile_dir(args.profile)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        cache_bytes, client_kw = None, {}
+        cache_bytes, client_kw, plan = None, {}, None
         if args.mem_budget is not None:
-            from .budget import plan_memory, shared_daemon_running
+            from .budget import context_tokens, plan_memory, shared_daemon_running
 
             # a private daemon and its staging arena are part of the budget
             private = args.iod == "auto" and not shared_daemon_running()
-            plan = plan_memory(parse_size(args.mem_budget), args.model, manifest, private)
+            context = context_tokens(prompt, args.max_tokens, args.system_prompt, args.max_kv_size)
+            plan = plan_memory(parse_size(args.mem_budget), args.model, manifest, private,
+                               dtype=args.dtype, context=context)
             cache_bytes = plan.cache_bytes
             if private:
                 client_kw["arena"] = plan.arena_bytes
@@ -182,7 +184,7 @@ def _main(args) -> int:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
     try:
-        stats, tokens, text = generate(args, source, manifest, prompt, cache_bytes)
+        stats, tokens, text = generate(args, source, manifest, prompt, cache_bytes, plan)
     except DaemonDead as e:
         print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1
@@ -208,18 +210,24 @@ def _main(args) -> int:
     return 0
 
 
-def generate(args, source, manifest, prompt, cache_bytes):
-    """Load, then stream the text to stdout; (stats, token ids, text)."""
+def generate(args, source, manifest, prompt, cache_bytes, plan=None):
+    """Load, then stream the text to stdout; (stats, token ids, text).
+    ``plan``: the ``--mem-budget`` plan (``infer.budget.MemoryPlan``) or None."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from . import budget
     from .args import mx_dtype
     from .loader import load_streaming
     from .speculative import DraftedStream
 
     dtype = mx_dtype(args.dtype)
+    if plan is not None:
+        budget.limit_process(plan)
     model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype)
+    if plan is not None:
+        budget.release_page_cache(args.model)
     profiler = None
     if args.profile:
         from .profile import attach
@@ -233,8 +241,10 @@ def generate(args, source, manifest, prompt, cache_bytes):
     tokens, text = [], ""
     response = None
     if args.draft == "none":
+        # within a budget, a prefill call's experts are bounded by its tokens
+        step = {"prefill_step_size": plan.prefill_step} if plan is not None else {}
         responses = stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
-                                    sampler=sampler, max_kv_size=args.max_kv_size)
+                                    sampler=sampler, max_kv_size=args.max_kv_size, **step)
     else:
         responses = DraftedStream(model, tokenizer, ids, args.model, store, args.draft,
                                   args.num_draft, args.max_tokens, manifest)

@@ -33,12 +33,14 @@ def run_cli(args, env=None, timeout=120):
     )
 
 
-def tiny_budget(prep):
-    """Just above the minimum: the expert cache holds almost nothing."""
-    from infer.budget import plan_memory
+def tiny_budget(prep, prompt=PROMPT, max_tokens=64, private_daemon=True):
+    """Just above the minimum for this prompt and length: the expert cache
+    holds almost nothing."""
+    from infer.budget import context_tokens, minimum_budget
     from shared.blob import Manifest
 
-    return str(plan_memory(1 << 40, prep, Manifest.load(prep)).minimum + 4096)
+    context = context_tokens(prompt, max_tokens)
+    return str(minimum_budget(prep, Manifest.load(prep), private_daemon, context=context) + 4096)
 
 
 def mlx_greedy_ids(src, max_tokens):
@@ -175,7 +177,7 @@ def test_daemon_death_stops_session_quickly(prep_model, run_dir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "infer.cli", "run", "--model", str(prep),
          "--iod", str(daemon.socket), "--max-tokens", "100000", "--ignore-chat-template",
-         "--mem-budget", tiny_budget(prep)],
+         "--mem-budget", tiny_budget(prep, "Hello", 100000, private_daemon=False)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
