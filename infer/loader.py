@@ -49,13 +49,20 @@ def cast_model(model, dtype):
     model.update(tree_map_with_path(cast, model.parameters()))
 
 
-def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None):
+def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
+                   group=None):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
-    weights and every expert's floating tensors are cast to it."""
+    weights and every expert's floating tensors are cast to it. ``group``: an
+    ``mx.distributed`` group to pipeline over (infer.distributed): the model
+    keeps this rank's layers only, and the store streams their experts only."""
     model_dir = Path(model_dir)
     manifest = check_prep_folder(model_dir)
+    if group is not None:
+        from . import distributed
+
+        manifest = distributed.rank_manifest(manifest, model_dir, group)
     if cache_bytes is None:
         cache_bytes = int(manifest.expert_bytes * DEFAULT_CACHE_FRACTION)
     store = ExpertStore(manifest, source, cache_bytes)
@@ -76,7 +83,12 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
         return StreamingModel, args_class
 
     # lazy, so a cast materializes each weight once, in its final dtype
-    model, config = load_model(model_dir, lazy=True, get_model_classes=get_classes)
+    # a rank drops the other ranks' layers before anything is evaluated
+    # (as mlx_lm.utils.sharded_load; their experts were never patched in)
+    model, config = load_model(model_dir, lazy=True, strict=group is None,
+                               get_model_classes=get_classes)
+    if group is not None:
+        distributed.pipeline(model.model, group)
     if dtype is not None:
         cast_model(model, dtype)
     mx.eval(model.parameters())

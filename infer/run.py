@@ -44,6 +44,9 @@ def build_parser():
                    help="tokens drafted per verify pass")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="write trace.json, latency.png and summary.{json,md} of the expert requests")
+    p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
+                   help="run as N local ranks through mlx.launch (ring over loopback), the layers "
+                        "split across them; over hosts: docs/distributed.md")
     add_version(p)
     return p
 
@@ -130,7 +133,16 @@ def prep_folder_hint(model):
 
 
 def main(argv=None) -> int:
+    from .distributed import leave_status
+
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # for --ranks' ranks
+    rc = _guarded(args)
+    leave_status(rc)
+    return rc
+
+
+def _guarded(args) -> int:
     try:
         return _main(args)
     except KeyboardInterrupt:
@@ -143,6 +155,7 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
+    from . import distributed
     from .loader import PrepFolderError, check_prep_folder
     from .speculative import check_draft
 
@@ -158,6 +171,14 @@ def _main(args) -> int:
         if args.profile:
             check_profile_dir(args.profile)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        group = distributed.group()  # a rank of mlx.launch: this rank's layers only
+        if args.ranks > 1 or group is not None:
+            if args.draft != "none" or args.profile:
+                raise ValueError("--ranks works without --draft and --profile")
+            distributed.check_pipelined(args.model)
+        if group is not None:
+            manifest = distributed.rank_manifest(manifest, args.model, group)
+            distributed.quiet_unless_rank0()
         cache_bytes, client_kw = None, {}
         if args.mem_budget is not None:
             from .budget import plan_memory, shared_daemon_running
@@ -172,6 +193,10 @@ def _main(args) -> int:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
 
+    if args.ranks > 1 and not distributed.launched():
+        stdin_prompt = ["--prompt", prompt] if args.prompt == "-" else []
+        return distributed.launch("run", args.ranks, args.argv + stdin_prompt)
+
     from .budget import top_k
     from .client import DaemonDead, IodClient, IodError
 
@@ -183,6 +208,8 @@ def _main(args) -> int:
         return 2
     try:
         stats, tokens, text = generate(args, source, manifest, prompt, cache_bytes)
+        if group is not None:
+            stats = distributed.merge_stats(stats, manifest, group)
     except DaemonDead as e:
         print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1
@@ -199,6 +226,8 @@ def _main(args) -> int:
         if not tokens:
             print("No text generated for this prompt")
         print("\n".join(stats_lines(stats)))
+        if "ranks" in stats:
+            print(distributed.pipeline_line(stats))
         if "draft" in stats:
             d = stats["draft"]
             print(f"Draft: {d['kind']}, {d['accept_len']:.2f} tokens per pass, "
@@ -215,11 +244,13 @@ def generate(args, source, manifest, prompt, cache_bytes):
     from mlx_lm.sample_utils import make_sampler
 
     from .args import mx_dtype
+    from .distributed import group
     from .loader import load_streaming
     from .speculative import DraftedStream
 
     dtype = mx_dtype(args.dtype)
-    model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype)
+    model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype,
+                                           group=group())
     profiler = None
     if args.profile:
         from .profile import attach
