@@ -129,6 +129,9 @@ def merge_stats(stats, manifest, g):
     ones and the traffic between ranks added."""
     import mlx.core as mx
 
+    # the generation's last transfers run on mlx-lm's own stream: finish them,
+    # so that this all_gather is not interleaved with them on the wire
+    mx.synchronize()
     layers = sorted(l.layer for l in manifest.layers)
     mine = {**stats, "stall_us": int(stats["stall_s"] * 1e6),
             "start": layers[0] if layers else -1, "end": layers[-1] + 1 if layers else -1,

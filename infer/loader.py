@@ -92,6 +92,8 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     if dtype is not None:
         cast_model(model, dtype)
     mx.eval(model.parameters())
+    if group is not None:  # ranks load at their own pace: meet before the first transfer
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     tokenizer = load_tokenizer(
         model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
     )

@@ -27,7 +27,8 @@ def build_parser():
                    help="keep at most this many tokens in the KV cache (rotating)")
     add_dtype(p)
     p.add_argument("--iod", default="auto",
-                   help="'auto' (the shared daemon, else a private one) or a daemon's socket file")
+                   help="'auto' (the shared daemon, else a private one) or a daemon's socket file "
+                        "('{rank}' in it: the rank's number under --ranks)")
     p.add_argument("--iod-timeout", type=positive_float, default=10.0, metavar="S",
                    help="seconds the daemon's loop may stand still (stopped, wedged) before the "
                         "session ends with one line; a slow disk is waited for")
@@ -178,6 +179,7 @@ def _main(args) -> int:
             distributed.check_pipelined(args.model)
         if group is not None:
             manifest = distributed.rank_manifest(manifest, args.model, group)
+            args.iod = args.iod.replace("{rank}", str(group.rank()))  # a daemon per rank
             distributed.quiet_unless_rank0()
         cache_bytes, client_kw = None, {}
         if args.mem_budget is not None:

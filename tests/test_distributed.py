@@ -103,3 +103,58 @@ def test_ranks_errors_are_one_line_exit_2(synth_model, prep_model):
     assert r.returncode == 2 and "mixtral" in r.stderr and r.stderr.count("\n") == 1
     r = run_cli(["--model", str(prep), "--ranks", "0"])
     assert r.returncode == 2
+
+
+def _daemon_bytes(daemon):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "iod.cli", "status", "--json", "--socket",
+                        str(daemon.socket)], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)["counters"]["bytes_read"]
+
+
+def test_each_rank_streams_through_its_own_hosts_daemon(synth_model, prep_model, tmp_path):
+    """One daemon per host: '{rank}' in --iod gives each local rank its own."""
+    from tests.iod_fixtures import LiveDaemon, short_dir
+
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    root = short_dir("iodh-")
+    for r in range(2):
+        (root / f"r{r}").mkdir(mode=0o700)
+    daemons = [LiveDaemon(root / f"r{r}") for r in range(2)]
+    try:
+        r = run_cli(["--model", str(prep), "--prompt", PROMPT, "--max-tokens", "16", "--json",
+                     "--mem-budget", tiny_budget(prep), "--ranks", "2",
+                     "--iod", str(root / "r{rank}" / "iod.sock")], timeout=300)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["tokens"] == mlx_greedy_ids(src, 16)
+        for daemon, rank in zip(daemons, out["stats"]["ranks"]):
+            assert _daemon_bytes(daemon) > 0 and rank["bytes_read"] > 0
+        assert out["stats"]["daemon_pid"] == daemons[0].pid  # rank 0 reports its own daemon
+    finally:
+        for d in daemons:
+            d.stop()
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_rank_streams_only_its_own_layers(prep_model):
+    """The rank's manifest (its store, cache and budget) holds the layers of
+    mlx-lm's split only; an MTP head's layer belongs to no rank."""
+    from types import SimpleNamespace
+
+    from infer.distributed import layer_range, rank_manifest
+
+    prep = prep_model("qwen3_next")  # 4 decoder layers and the MTP head's layer 4
+    manifest = Manifest.load(prep)
+    assert [l.layer for l in manifest.layers] == [0, 1, 2, 3, 4]
+    got = {}
+    for r in range(2):
+        g = SimpleNamespace(rank=lambda r=r: r, size=lambda: 2)
+        got[r] = [l.layer for l in rank_manifest(manifest, prep, g).layers]
+    assert got == {0: [2, 3], 1: [0, 1]}  # rank size-1 runs the first layers
+    three = {r: layer_range(5, SimpleNamespace(rank=lambda r=r: r, size=lambda: 3)) for r in range(3)}
+    assert three == {2: (0, 1), 1: (1, 3), 0: (3, 5)}  # the low ranks take the extra layers
