@@ -27,7 +27,7 @@ def _rank_layers(manifest, moe_layers):
     return [l for l in manifest.layers if lo <= l.layer < hi]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "deepseek_v3"])
 def test_two_ranks_give_mlx_lm_greedy_ids(synth_model, prep_model, arch):
     src, prep = synth_model(arch), prep_model(arch)
     args = ["--model", str(prep), "--prompt", PROMPT, "--max-tokens", "24", "--json",
@@ -39,9 +39,13 @@ def test_two_ranks_give_mlx_lm_greedy_ids(synth_model, prep_model, arch):
     stats = out["stats"]
     manifest = Manifest.load(prep)
     ranks = stats["ranks"]
-    # mlx-lm's split: rank 1 runs the first half of the layers, rank 0 the last
-    n = json.loads((prep / "config.json").read_text())["num_hidden_layers"]  # (an MTP layer is not one)
-    assert [r["moe_layers"] for r in ranks] == [[n // 2, n], [0, n // 2]]
+    # mlx-lm's split: rank 1 runs the first half of the decoder layers, rank 0
+    # the last; a rank's MoE layers are those among its decoder layers (an MTP
+    # layer is not one; deepseek_v3's first layer is dense)
+    n = json.loads((prep / "config.json").read_text())["num_hidden_layers"]
+    for rank, (lo, hi) in zip(ranks, [(n // 2, n), (0, n // 2)]):
+        own = [l.layer for l in manifest.layers if lo <= l.layer < hi]
+        assert rank["moe_layers"] == [own[0], own[-1] + 1]
     for rank in ranks:
         own = _rank_layers(manifest, rank["moe_layers"])
         assert len({l.record_bytes for l in own}) == 1
