@@ -51,15 +51,22 @@ def cast_model(model, dtype):
 
 
 def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
-                   preload=True):
+                   preload=True, group=None):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
     weights and every expert's floating tensors are cast to it. With
     ``preload`` and a ``usage.json`` in the folder (``infer.coldstart``),
-    the cache starts filled with the experts a calibration text used most."""
+    the cache starts filled with the experts a calibration text used most.
+    ``group``: an ``mx.distributed`` group to pipeline over
+    (infer.distributed): the model keeps this rank's layers only, and the
+    store streams their experts only."""
     model_dir = Path(model_dir)
     manifest = check_prep_folder(model_dir)
+    if group is not None:
+        from . import distributed
+
+        manifest = distributed.rank_manifest(manifest, model_dir, group)
     if cache_bytes is None:
         cache_bytes = int(manifest.expert_bytes * DEFAULT_CACHE_FRACTION)
     store = ExpertStore(manifest, source, cache_bytes)
@@ -80,10 +87,17 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
         return StreamingModel, args_class
 
     # lazy, so a cast materializes each weight once, in its final dtype
-    model, config = load_model(model_dir, lazy=True, get_model_classes=get_classes)
+    # a rank drops the other ranks' layers before anything is evaluated
+    # (as mlx_lm.utils.sharded_load; their experts were never patched in)
+    model, config = load_model(model_dir, lazy=True, strict=group is None,
+                               get_model_classes=get_classes)
+    if group is not None:
+        distributed.pipeline(model.model, group)
     if dtype is not None:
         cast_model(model, dtype)
     mx.eval(model.parameters())
+    if group is not None:  # ranks load at their own pace: meet before the first transfer
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     tokenizer = load_tokenizer(
         model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
     )

@@ -27,7 +27,8 @@ def build_parser():
                    help="keep at most this many tokens in the KV cache (rotating)")
     add_dtype(p)
     p.add_argument("--iod", default="auto",
-                   help="'auto' (the shared daemon, else a private one) or a daemon's socket file")
+                   help="'auto' (the shared daemon, else a private one) or a daemon's socket file "
+                        "('{rank}' in it: the rank's number under --ranks)")
     p.add_argument("--iod-timeout", type=positive_float, default=10.0, metavar="S",
                    help="seconds the daemon's loop may stand still (stopped, wedged) before the "
                         "session ends with one line; a slow disk is waited for")
@@ -44,6 +45,9 @@ def build_parser():
                    help="tokens drafted per verify pass")
     p.add_argument("--profile", metavar="DIR", default=None,
                    help="write trace.json, latency.png and summary.{json,md} of the expert requests")
+    p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
+                   help="run as N local ranks through mlx.launch (ring over loopback), the layers "
+                        "split across them; over hosts: docs/distributed.md")
     add_version(p)
     return p
 
@@ -130,7 +134,16 @@ def prep_folder_hint(model):
 
 
 def main(argv=None) -> int:
+    from .distributed import leave_status
+
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)  # for --ranks' ranks
+    rc = _guarded(args)
+    leave_status(rc)
+    return rc
+
+
+def _guarded(args) -> int:
     try:
         return _main(args)
     except KeyboardInterrupt:
@@ -143,6 +156,7 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
+    from . import distributed
     from .loader import PrepFolderError, check_prep_folder
     from .speculative import check_draft
 
@@ -158,6 +172,15 @@ def _main(args) -> int:
         if args.profile:
             check_profile_dir(args.profile)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        group = distributed.group()  # a rank of mlx.launch: this rank's layers only
+        if args.ranks > 1 or group is not None:
+            if args.draft != "none" or args.profile:
+                raise ValueError("--ranks works without --draft and --profile")
+            distributed.check_pipelined(args.model)
+        if group is not None:
+            manifest = distributed.rank_manifest(manifest, args.model, group)
+            args.iod = args.iod.replace("{rank}", str(group.rank()))  # a daemon per rank
+            distributed.quiet_unless_rank0()
         cache_bytes, client_kw, plan = None, {}, None
         if args.mem_budget is not None:
             from .budget import context_tokens, plan_memory, shared_daemon_running
@@ -174,6 +197,10 @@ def _main(args) -> int:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
 
+    if args.ranks > 1 and not distributed.launched():
+        stdin_prompt = ["--prompt", prompt] if args.prompt == "-" else []
+        return distributed.launch("run", args.ranks, args.argv + stdin_prompt)
+
     from .budget import top_k
     from .client import DaemonDead, IodClient, IodError
 
@@ -185,6 +212,8 @@ def _main(args) -> int:
         return 2
     try:
         stats, tokens, text = generate(args, source, manifest, prompt, cache_bytes, plan)
+        if group is not None:
+            stats = distributed.merge_stats(stats, manifest, group)
     except DaemonDead as e:
         print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1
@@ -201,6 +230,8 @@ def _main(args) -> int:
         if not tokens:
             print("No text generated for this prompt")
         print("\n".join(stats_lines(stats)))
+        if "ranks" in stats:
+            print(distributed.pipeline_line(stats))
         if "draft" in stats:
             d = stats["draft"]
             print(f"Draft: {d['kind']}, {d['accept_len']:.2f} tokens per pass, "
@@ -219,13 +250,15 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None):
 
     from . import budget
     from .args import mx_dtype
+    from .distributed import group
     from .loader import load_streaming
     from .speculative import DraftedStream
 
     dtype = mx_dtype(args.dtype)
     if plan is not None:
         budget.limit_process(plan)
-    model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype)
+    model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype,
+                                             group=group())
     if plan is not None:
         budget.release_page_cache(args.model)
     profiler = None

@@ -1,0 +1,164 @@
+"""`infer run --ranks N`: a pipeline over ranks of mlx.launch (ring backend over
+loopback), token-exact against mlx-lm, printed once, each rank streaming only
+its own layers' experts."""
+
+import json
+import os
+
+import pytest
+
+from shared.blob import Manifest
+from tests.test_run import PROMPT, mlx_greedy_ids, run_cli, tiny_budget
+
+
+@pytest.fixture(autouse=True)
+def run_dir(monkeypatch):
+    from tests.iod_fixtures import short_dir
+    import shutil
+
+    folder = short_dir("iodd-")
+    monkeypatch.setenv("IOD_RUN_DIR", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rank_layers(manifest, moe_layers):
+    lo, hi = moe_layers
+    return [l for l in manifest.layers if lo <= l.layer < hi]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "deepseek_v3"])
+def test_two_ranks_give_mlx_lm_greedy_ids(synth_model, prep_model, arch):
+    src, prep = synth_model(arch), prep_model(arch)
+    args = ["--model", str(prep), "--prompt", PROMPT, "--max-tokens", "24", "--json",
+            "--mem-budget", tiny_budget(prep), "--ranks", "2"]
+    r = run_cli(args, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # one JSON object: rank 1 printed nothing
+    assert out["tokens"] == mlx_greedy_ids(src, 24)
+    stats = out["stats"]
+    manifest = Manifest.load(prep)
+    ranks = stats["ranks"]
+    # mlx-lm's split: rank 1 runs the first half of the decoder layers, rank 0
+    # the last; a rank's MoE layers are those among its decoder layers (an MTP
+    # layer is not one; deepseek_v3's first layer is dense)
+    n = json.loads((prep / "config.json").read_text())["num_hidden_layers"]
+    for rank, (lo, hi) in zip(ranks, [(n // 2, n), (0, n // 2)]):
+        own = [l.layer for l in manifest.layers if lo <= l.layer < hi]
+        assert rank["moe_layers"] == [own[0], own[-1] + 1]
+    for rank in ranks:
+        own = _rank_layers(manifest, rank["moe_layers"])
+        assert len({l.record_bytes for l in own}) == 1
+        assert rank["misses"] > 0
+        # a rank reads whole records of its own layers only
+        assert rank["bytes_read"] == rank["misses"] * own[0].record_bytes
+    assert stats["bytes_read"] == sum(r["bytes_read"] for r in ranks)
+    assert stats["misses"] == sum(r["misses"] for r in ranks)
+    # per decode token: rank 1 sends its hidden state to rank 0, then both
+    # all_gather the last one: three float32 vectors of hidden_size
+    hidden = json.loads((prep / "config.json").read_text())["hidden_size"]
+    assert stats["activation_bytes_per_token"] == 3 * hidden * 4
+
+
+def test_ranks_print_what_one_process_prints(prep_model):
+    prep = prep_model("qwen3_moe")
+    base = ["--model", str(prep), "--prompt", PROMPT, "--max-tokens", "12"]
+    one = run_cli(base)
+    two = run_cli(base + ["--ranks", "2"], timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    text = lambda out: out.split("==========")[1]
+    assert two.stdout.count("==========") == 2
+    assert text(two.stdout) == text(one.stdout)
+    assert "Pipeline: 2 ranks" in two.stdout
+    # --verbose False: the text only, once
+    quiet = run_cli(base + ["--verbose", "False", "--ranks", "2"], timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout == text(one.stdout).strip("\n") + "\n"
+
+
+def test_ranks_read_the_prompt_from_stdin_once(prep_model):
+    import subprocess
+    import sys
+
+    prep = prep_model("qwen3_moe")
+    base = [sys.executable, "-m", "infer.cli", "run", "--model", str(prep), "--max-tokens", "8",
+            "--json", "--prompt", "-"]
+    one = subprocess.run(base, input=PROMPT, capture_output=True, text=True, timeout=120)
+    two = subprocess.run(base + ["--ranks", "2"], input=PROMPT, capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr
+    assert json.loads(two.stdout)["tokens"] == json.loads(one.stdout)["tokens"]
+
+
+def test_a_rank_failure_is_the_exit_status(tmp_path):
+    """mlx.launch exits 0 whatever its ranks do: each rank's own status counts."""
+    from infer.distributed import launch
+
+    # past the parent's checks, each rank finds no prep folder: exit 2
+    assert launch("run", 2, ["--model", str(tmp_path / "nope")]) == 2
+
+
+def test_ranks_errors_are_one_line_exit_2(synth_model, prep_model):
+    prep = prep_model("qwen3_moe")
+    r = run_cli(["--model", str(prep), "--ranks", "2", "--draft", "ngram"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--ranks" in r.stderr
+    mixtral = prep_model("mixtral")  # mlx-lm has no pipeline() for it
+    r = run_cli(["--model", str(mixtral), "--ranks", "2"])
+    assert r.returncode == 2 and "mixtral" in r.stderr and r.stderr.count("\n") == 1
+    r = run_cli(["--model", str(prep), "--ranks", "0"])
+    assert r.returncode == 2
+
+
+def _daemon_bytes(daemon):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "iod.cli", "status", "--json", "--socket",
+                        str(daemon.socket)], capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)["counters"]["bytes_read"]
+
+
+def test_each_rank_streams_through_its_own_hosts_daemon(synth_model, prep_model, tmp_path):
+    """One daemon per host: '{rank}' in --iod gives each local rank its own."""
+    from tests.iod_fixtures import LiveDaemon, short_dir
+
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    root = short_dir("iodh-")
+    for r in range(2):
+        (root / f"r{r}").mkdir(mode=0o700)
+    daemons = [LiveDaemon(root / f"r{r}") for r in range(2)]
+    try:
+        r = run_cli(["--model", str(prep), "--prompt", PROMPT, "--max-tokens", "16", "--json",
+                     "--mem-budget", tiny_budget(prep), "--ranks", "2",
+                     "--iod", str(root / "r{rank}" / "iod.sock")], timeout=300)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["tokens"] == mlx_greedy_ids(src, 16)
+        for daemon, rank in zip(daemons, out["stats"]["ranks"]):
+            assert _daemon_bytes(daemon) > 0 and rank["bytes_read"] > 0
+        assert out["stats"]["daemon_pid"] == daemons[0].pid  # rank 0 reports its own daemon
+    finally:
+        for d in daemons:
+            d.stop()
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_rank_streams_only_its_own_layers(prep_model):
+    """The rank's manifest (its store, cache and budget) holds the layers of
+    mlx-lm's split only; an MTP head's layer belongs to no rank."""
+    from types import SimpleNamespace
+
+    from infer.distributed import layer_range, rank_manifest
+
+    prep = prep_model("qwen3_next")  # 4 decoder layers and the MTP head's layer 4
+    manifest = Manifest.load(prep)
+    assert [l.layer for l in manifest.layers] == [0, 1, 2, 3, 4]
+    got = {}
+    for r in range(2):
+        g = SimpleNamespace(rank=lambda r=r: r, size=lambda: 2)
+        got[r] = [l.layer for l in rank_manifest(manifest, prep, g).layers]
+    assert got == {0: [2, 3], 1: [0, 1]}  # rank size-1 runs the first layers
+    three = {r: layer_range(5, SimpleNamespace(rank=lambda r=r: r, size=lambda: 3)) for r in range(3)}
+    assert three == {2: (0, 1), 1: (1, 3), 0: (3, 5)}  # the low ranks take the extra layers
