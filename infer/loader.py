@@ -9,6 +9,7 @@ from mlx_lm.utils import _get_classes, load_model
 
 from shared.blob import Manifest, ManifestError
 
+from .predict import Calibration
 from .streaming import ExpertStore, patch_model
 
 DEFAULT_CACHE_FRACTION = 0.25
@@ -58,8 +59,9 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     manifest = check_prep_folder(model_dir)
     if cache_bytes is None:
         cache_bytes = int(manifest.expert_bytes * DEFAULT_CACHE_FRACTION)
-    store = ExpertStore(manifest, source, cache_bytes)
+    store = ExpertStore(manifest, source, cache_bytes, calibration=Calibration.load(model_dir))
     store.dtype = dtype
+    store.set_disk(model_dir)
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)
