@@ -349,8 +349,12 @@ class ExpertStore:
             for row in rows:
                 for r, e in enumerate(row.tolist()):
                     rank[e] = min(rank.get(e, r), r)
+            # what a read would bring: not cached, not hinted, not ready in the arena
+            fresh = [e for e in rank if e not in stack and e not in hinted]
+            not_ready = getattr(self.source, "not_ready", None)
+            fresh = set(not_ready(layer, fresh)) if not_ready and fresh else set(fresh)
             for e, r in rank.items():
-                if e not in stack and e not in hinted:
+                if e in fresh:
                     p = float(use[r]) if use is not None and r < len(use) else online
                     candidates.append((p, d, layer, e))
         if not candidates:
@@ -362,10 +366,11 @@ class ExpertStore:
         for _, d, layer, e in chosen:
             by_layer.setdefault((layer, d), []).append(e)
         for (layer, d), experts in sorted(by_layer.items()):
-            self._hinted.setdefault(layer, set()).update(experts)
-            self.stats["prefetched"] += len(experts)
-            self.stats["prefetched_bytes"] += len(experts) * self.layouts[layer].record_bytes
-            self._call("prefetch", layer, sorted(experts), d)
+            sent = self._call("prefetch", layer, sorted(experts), d)
+            sent = experts if sent is None else sent  # sources that do not say
+            self._hinted.setdefault(layer, set()).update(sent)
+            self.stats["prefetched"] += len(sent)
+            self.stats["prefetched_bytes"] += len(sent) * self.layouts[layer].record_bytes
 
     def read_rate(self):
         """Bytes/s reads are planned with: the profiled disk's, else the rate
@@ -638,12 +643,15 @@ def _resolve(model, path):
 
 
 def _router(block):
-    """(router module, top k) of an MoE block, found by mlx-lm's names."""
-    router = block.get("gate") if "gate" in block else block.get("router")
+    """(router, top k) of an MoE block, found by mlx-lm's names. The router
+    is looked up in the block at each call: mlx-lm replaces the module when
+    it quantizes the model after patch_model ran, and the module seen here
+    would keep its random initial weights (guesses no better than chance)."""
+    name = "gate" if "gate" in block else "router"
     k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
-    if router is None or k is None or not callable(router):
+    if not callable(block.get(name)) or k is None:
         return None
-    return router, int(k)
+    return (lambda x: block[name](x)), int(k)
 
 
 def patch_model(model, manifest, store, root=None):

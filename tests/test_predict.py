@@ -160,3 +160,23 @@ def test_plan_reads_what_fits_in_time():
     assert sum(1 for x in chosen if x[1] == 1) == 4 and len(chosen) == 8
     # outstanding hints take their share
     assert len(predict.plan(c, lambda d, rec: 4.0 * d, 1, pending=3)) == 5
+
+
+def test_uncalibrated_store_guesses_with_the_loaded_routers(trained_prep, trained_model):
+    """Without a calibration the store applies the next layers' routers as
+    mlx-lm loaded them (quantized, trained weights), not the modules the
+    constructor made before loading: recall far above chance (8/64)."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = trained_prep("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        model, tok, store = load_streaming(folder, source, cache_bytes=0)
+        assert store.calibration is None
+        ids = tok.encode((trained_model("qwen3_moe") / "heldout.txt").read_text())[:16]
+        greedy(model, ids, n=24)
+        assert store.prediction_stats()[1]["recall"] > 0.5
+    finally:
+        source.close()
