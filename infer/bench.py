@@ -37,7 +37,7 @@ from .args import add_dtype, mx_dtype
 MODES = ("resident", "sync", "inproc", "iod")
 DEFAULT_PROMPT = "The lighthouse keeper counted the ships that passed in the night"
 FORCED_TEXT = Path(__file__).with_name("data") / "corpus.txt"
-DEFAULT_DEPTH = 2
+DEFAULT_DEPTH = 3
 
 
 def build_parser():
@@ -56,7 +56,9 @@ def build_parser():
     p.add_argument("--sessions", type=int, default=0,
                    help="also run N concurrent sessions on one daemon, then with a daemon each")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
-    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="prediction depth (layers)")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+                   help="deepest prediction (layers ahead); prefetch reads at the depths and "
+                        "breadths the measured precision, read rate and compute time pay for")
     p.add_argument("--warm", action="store_true",
                    help="time a long session's steady state: fill the expert cache, run the "
                         "prompt and text once untimed, then time them again (caches kept)")
@@ -154,9 +156,7 @@ def decode(model, prompt_ids, follow, n, store=None):
     y = mx.argmax(logits[0, -1])
     tokens = [int(y.item())]
     t1 = time.perf_counter()
-    stall0 = store.stats["stall_s"] if store else 0.0
-    fetched0 = store.stats["fetched_bytes"] if store else 0
-    misses0 = store.stats["misses"] if store else 0
+    before = dict(store.stats) if store else {}
     for i in range(n - 1):
         nxt = tokens[-1] if follow is None else follow[i]
         logits = model(mx.array([[nxt]]), cache=cache)
@@ -171,10 +171,15 @@ def decode(model, prompt_ids, follow, n, store=None):
         "decode_tok_s": (n - 1) / (t2 - t1) if n > 1 else 0.0,
     }
     if store is not None:
-        out["stall_s"] = store.stats["stall_s"] - stall0
-        out["decode_bytes"] = store.stats["fetched_bytes"] - fetched0
-        out["decode_misses"] = store.stats["misses"] - misses0
+        delta = {k: v - before[k] for k, v in store.stats.items() if k in before}
+        out["stall_s"] = delta["stall_s"]
+        out["stall_s_per_token"] = delta["stall_s"] / steps
+        out["decode_bytes"] = delta["fetched_bytes"]
+        out["decode_misses"] = delta["misses"]
         out["bytes_read_per_token"] = out["decode_bytes"] / steps
+        # hinted for prefetch during decode, and of those not used by the call they were for
+        out["prefetched_bytes"] = delta["prefetched_bytes"]
+        out["prefetch_unused_bytes"] = delta["prefetch_unused_bytes"]
     return out
 
 
@@ -182,10 +187,7 @@ def reset_store(store, keep_cache=False):
     """Zeroed figures, same modules and routers; a cold cache unless ``keep_cache``."""
     if not keep_cache:
         store.stacks = {}
-    store.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
-    store.prediction = [[0, 0, 0] for _ in range(store.depth + 1)]
-    store._predicted = {}
-    store._gate = [[0.0, 0.0] for _ in range(store.depth + 1)]
+    store.reset_stats()
     store.trace = []
 
 
@@ -299,6 +301,16 @@ def _daemon_bytes(client):
     return client.stats()["counters"]["bytes_read"]
 
 
+def _source_counters(source) -> dict:
+    """The reader's prefetch counters, where the source reports them."""
+    try:
+        c = source.stats()["counters"]
+    except Exception:  # a source without stats (tests' fakes)
+        return {}
+    return {k: c[k] for k in ("prefetch_reads", "prefetched_unused", "prefetches_dropped",
+                              "bytes_read") if k in c}
+
+
 def worker(args) -> dict:
     """Measure one mode; returns its result dict."""
     import mlx.core as mx
@@ -334,6 +346,8 @@ def worker(args) -> dict:
         model, tokenizer, store = load_streaming(args.model, None, cache_bytes,
                                                  dtype=mx_dtype(args.dtype))
         store.depth = depth
+        if args.read_rate:  # reads are capped: plan prefetch with the cap
+            store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
 
     from .run import encode_prompt
 
@@ -378,6 +392,7 @@ def worker(args) -> dict:
             run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
             run["trace"] = store.trace or []
             run["prediction"] = store.prediction_stats()
+            run["source_counters"] = _source_counters(store.source)
         if mode in ("sync", "inproc"):
             daemon_read.append(store.source.bytes_read - read0)
             store.source.close()
@@ -429,6 +444,13 @@ def worker(args) -> dict:
         "recall": pred.get(1, {}).get("recall"),
         "precision": pred.get(1, {}).get("precision"),
         "prediction": {str(d): v for d, v in pred.items()},
+        "stall_s_per_token": med(r["stall_s_per_token"] for r in runs),
+        "prefetched_bytes": last["prefetched_bytes"],
+        "prefetch_unused_bytes": last["prefetch_unused_bytes"],
+        # the reader's view (whole run): reads started as prefetches, and
+        # prefetched records evicted from the staging arena unused
+        "source_counters": last["source_counters"],
+        "calibrated": store.calibration is not None,
         "decode_s_per_token": med(r["decode_s"] for r in runs) / max(args.max_tokens - 1, 1),
         "trace_calls": len(last["trace"]),
     })
@@ -476,7 +498,7 @@ def merge_runs(runs) -> dict:
     last run (the routing, hence the cache figures, is the same every run)."""
     med = statistics.median
     out = dict(runs[-1])
-    for key in ("decode_tok_s", "prefill_tok_s", "stall_fraction"):
+    for key in ("decode_tok_s", "prefill_tok_s", "stall_fraction", "stall_s_per_token"):
         if key in out:
             vals = [x for r in runs for x in r.get(key + "_runs", [r[key]])]
             out[key], out[key + "_runs"] = med(vals), vals
@@ -554,21 +576,30 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _prediction_cell(m) -> str:
+    """recall/precision at depths 1..3, '-' where nothing was guessed."""
+    pred = m.get("prediction") or {}
+    return " ".join(f"{pred[str(d)]['recall']:.2f}/{pred[str(d)]['precision']:.2f}"
+                    if str(d) in pred else "-" for d in (1, 2, 3))
+
+
 def table(report) -> str:
-    rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "hit", "misses",
-             "belady", "MB/tok", "recall", "prec", "rss infer", "rss iod")]
+    rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "stall ms/tok", "hit",
+             "misses", "belady", "MB/tok", "recall/prec d1 d2 d3", "unused MB", "rss infer",
+             "rss iod")]
     for name, m in report["modes"].items():
         if "skipped" in m or "error" in m:
             why = ("skipped: " + m["skipped"]) if "skipped" in m else "failed"
-            rows.append((name, why) + ("",) * 11)
+            rows.append((name, why) + ("",) * 12)
             continue
         rows.append((
             name, _fmt(m["decode_tok_s"], ".2f"),
             "/".join(f"{x:.2f}" for x in m["decode_tok_s_runs"]),
             _fmt(m["prefill_tok_s"], ".1f"), _fmt(m["stall_fraction"], ".2f"),
+            _fmt(m.get("stall_s_per_token", 0.0) * 1e3, ".2f"),
             _fmt(m["hit_rate"], ".3f"), str(m["misses"]), _fmt(m["belady_misses"], "d"),
-            _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _fmt(m["recall"], ".2f"),
-            _fmt(m["precision"], ".2f"), format_size(m["peak_rss_infer"]),
+            _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _prediction_cell(m),
+            _fmt(m.get("prefetch_unused_bytes", 0) / 1e6, ".2f"), format_size(m["peak_rss_infer"]),
             format_size(m["peak_rss_iod"]) if m["peak_rss_iod"] else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -10,6 +10,7 @@ from mlx_lm.utils import _get_classes, load_model
 from shared.blob import Manifest, ManifestError
 
 from . import coldstart
+from .predict import Calibration
 from .streaming import ExpertStore, patch_model
 
 DEFAULT_CACHE_FRACTION = 0.25
@@ -69,8 +70,9 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
         manifest = distributed.rank_manifest(manifest, model_dir, group)
     if cache_bytes is None:
         cache_bytes = int(manifest.expert_bytes * DEFAULT_CACHE_FRACTION)
-    store = ExpertStore(manifest, source, cache_bytes)
+    store = ExpertStore(manifest, source, cache_bytes, calibration=Calibration.load(model_dir))
     store.dtype = dtype
+    store.set_disk(model_dir)
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)

@@ -468,6 +468,9 @@ def build_parser():
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.add_argument("--resume", action="store_true", help="keep layers of --out whose records already verify")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--calibrate", type=Path, metavar="TEXT", default=None,
+                   help="fit the expert predictors on this text (its first 4,096 tokens) and store "
+                        "them beside the manifest (predict.npz; see infer.predict)")
     g = p.add_argument_group("Hugging Face folders (converted with mlx-lm's code; mlx_lm.convert's names)")
     g.add_argument("-q", "--quantize", action="store_true", help="quantize (the default; see --no-quantize)")
     g.add_argument("--no-quantize", action="store_true", help="keep the weights in floating point")
@@ -500,6 +503,9 @@ def quant_from_args(a):
 
 def main(argv) -> int:
     a = build_parser().parse_args(argv)
+    if a.calibrate is not None and not a.calibrate.is_file():
+        print(f"infer prep: --calibrate {a.calibrate} is not a file", file=sys.stderr)
+        return 2
     t0 = time.time()
     try:
         m = prep(a.model, a.out, a.force, a.resume, progress=not a.no_progress,
@@ -514,5 +520,17 @@ def main(argv) -> int:
         f"{sum(l.num_experts for l in m.layers)} expert records, experts {experts / 1e6:.1f} MB, "
         f"resident {resident / 1e6:.1f} MB, {time.time() - t0:.1f}s"
     )
+    if a.calibrate is not None:
+        from .predict import CALIBRATION_NAME, calibrate_folder
+
+        try:
+            cal = calibrate_folder(a.out, a.calibrate)
+        except (ValueError, UnicodeDecodeError) as e:
+            print(f"infer prep: --calibrate: {e}", file=sys.stderr)
+            return 2
+        picked = sorted(set(name for name, _ in cal.choice.values()))
+        print(f"wrote {a.out / CALIBRATION_NAME}: {len(cal.maps)} linear maps fitted on "
+              f"{cal.text['fit_tokens']} of {cal.text['tokens']} tokens; combined predictor uses "
+              f"{', '.join(picked) or 'nothing'}")
     print(f"peak RSS {peak_rss_mb():.0f} MB")
     return 0

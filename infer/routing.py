@@ -16,6 +16,14 @@ input. ``pre_attention`` applies layer L+d's router, after its own
 post-attention norm, to the residual stream entering layer L (depth 0 is
 then a guess of layer L's own experts before its attention has run).
 
+``temporal`` guesses the experts layer L+d used for the previous token.
+With a calibration (``--calibrate TEXT`` fits one first, ``--calibration
+FILE`` reads one; a prep folder's own ``predict.npz`` is used when present,
+see ``infer.predict``) two more: ``linear``, the fitted map from layer L's
+MoE-block input to layer L+d's router logits, and ``combined``, per layer
+and depth the predictor and breadth the calibration chose (it may guess
+more than k experts: recall rises, precision falls).
+
 A prep folder can be given too: its experts are read from the blobs in this
 process, and the figures are the same as for the source folder.
 """
@@ -33,6 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import predict
 from .belady import LRU, belady_layer
 
 DEPTHS = (1, 2, 3)
@@ -68,20 +77,42 @@ class MoELayer:
         return np.concatenate(self.ids) if self.ids else np.zeros((0, self.top_k), np.int64)
 
 
-def _moe_input(src: MoELayer, dst: MoELayer):
+def _moe_input(src: MoELayer, dst: MoELayer, cal):
     return dst.router(src.x)
 
 
-def _pre_attention(src: MoELayer, dst: MoELayer):
+def _pre_attention(src: MoELayer, dst: MoELayer, cal):
     if src.residual is None or dst.norm is None:
         return None
     return dst.router(dst.norm(src.residual))
 
 
-# name -> (predictor, depths it is scored at)
+def _temporal(src: MoELayer, dst: MoELayer, cal):
+    return (mx.array(predict.previous(dst.ids)),)
+
+
+def _linear(src: MoELayer, dst: MoELayer, cal):
+    wb = cal.maps.get((src.module, dst.module)) if cal else None
+    return None if wb is None else predict.linear_scores(src.x, mx.array(wb[0]), mx.array(wb[1]))
+
+
+def _combined(src: MoELayer, dst: MoELayer, cal):
+    choice = cal.choice.get((src.module, dst.index - src.index)) if cal else None
+    if choice is None:
+        return None
+    name, breadth = choice
+    scores = PREDICTORS[{"router": "moe_input"}.get(name, name)][0](src, dst, cal)
+    return scores if isinstance(scores, tuple) else (predict.ranked(scores, breadth),)
+
+
+# name -> (predictor, depths it is scored at); a predictor returns scores
+# (top k is its guess), a tuple whose first item is its guess, or None
 PREDICTORS: Dict[str, tuple] = {
     "moe_input": (_moe_input, DEPTHS),
     "pre_attention": (_pre_attention, (0,) + DEPTHS),
+    "temporal": (_temporal, DEPTHS),
+    "linear": (_linear, DEPTHS),
+    "combined": (_combined, DEPTHS),
 }
 DEFAULT_PREDICTOR = "moe_input"
 
@@ -197,7 +228,7 @@ class Counts:
         return {"recall": self.hit / max(self.actual, 1), "precision": self.hit / max(self.predicted, 1)}
 
 
-def _predict(layers: List[MoELayer], counts, pending):
+def _predict(layers: List[MoELayer], counts, pending, cal=None):
     """Score this chunk's guesses of every predictor at every depth."""
     for src in layers:
         for name, (fn, depths) in PREDICTORS.items():
@@ -205,7 +236,7 @@ def _predict(layers: List[MoELayer], counts, pending):
                 if src.index + d >= len(layers):
                     continue
                 dst = layers[src.index + d]
-                scores = fn(src, dst)
+                scores = fn(src, dst, cal)
                 if scores is None:
                     continue
                 k = dst.top_k or int(dst.ids[-1].shape[-1])
@@ -216,14 +247,19 @@ def _predict(layers: List[MoELayer], counts, pending):
     pending.clear()
 
 
-def route(model, tokens: List[int], experts: Optional[Dict[str, int]] = None, chunk: int = CHUNK):
+def route(model, tokens: List[int], experts: Optional[Dict[str, int]] = None, chunk: int = CHUNK,
+          layers: Optional[List[MoELayer]] = None, cal=None):
     """Feed ``tokens`` and collect (layers, counts): the routed ids of every
-    MoE layer and the predictors' (name, depth) -> {source layer: Counts}."""
+    MoE layer and the predictors' (name, depth) -> {source layer: Counts}.
+    ``layers``: already installed (``install``); ``cal``: an
+    ``infer.predict.Calibration`` for the predictors that need one."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    layers = install(model, experts)
+    layers = install(model, experts) if layers is None else layers
     if not layers:
         raise RoutingError("the model has no MoE layers")
+    for layer in layers:
+        layer.ids = []
     cache = make_prompt_cache(model)
     counts, pending = {}, []
     for i in range(0, len(tokens), chunk):
@@ -232,7 +268,7 @@ def route(model, tokens: List[int], experts: Optional[Dict[str, int]] = None, ch
         mx.eval(model(mx.array([tokens[i : i + chunk]]), cache=cache))
         for layer in layers:
             layer.ids[-1] = np.array(layer.ids[-1])
-        _predict(layers, counts, pending)
+        _predict(layers, counts, pending, cal)
     for layer in layers:
         layer.x = layer.residual = None
     return layers, counts
@@ -346,8 +382,10 @@ def default_text() -> Path:
     return Path(__file__).parent / "data" / "corpus.txt"
 
 
-def report(folder, text_path=None, n_tokens=DEFAULT_TOKENS) -> dict:
-    """The routing report of a model folder over the first ``n_tokens`` of a text."""
+def report(folder, text_path=None, n_tokens=DEFAULT_TOKENS, calibrate=None, calibration=None) -> dict:
+    """The routing report of a model folder over the first ``n_tokens`` of a
+    text. ``calibrate``: a text to fit a calibration on first; else
+    ``calibration``: a calibration file; else a prep folder's own, if any."""
     folder = Path(folder)
     text_path = Path(text_path) if text_path else default_text()
     try:
@@ -358,10 +396,24 @@ def report(folder, text_path=None, n_tokens=DEFAULT_TOKENS) -> dict:
     tokens = tokenizer.encode(data.decode("utf-8"))[:n_tokens]
     if len(tokens) < 2:
         raise RoutingError(f"{text_path} gives fewer than 2 tokens")
-    layers, counts = route(model, tokens, experts)
+    layers = install(model, experts)
+    if not layers:
+        raise RoutingError("the model has no MoE layers")
+    if calibrate is not None:
+        cal_data = Path(calibrate).read_bytes()
+        cal_tokens = tokenizer.encode(cal_data.decode("utf-8"))[:predict.DEFAULT_TOKENS]
+        if len(cal_tokens) < 8:
+            raise RoutingError(f"--calibrate {calibrate} gives fewer than 8 tokens")
+        cal = predict.fit(model, layers, cal_tokens)
+        cal.text.update({"path": str(calibrate), "sha256": hashlib.sha256(cal_data).hexdigest()})
+    else:
+        cal = predict.Calibration.load(calibration or folder)
+    layers, counts = route(model, tokens, layers=layers, cal=cal)
     out = summarize(layers, counts)
     out["model"] = str(folder)
     out["text"] = {"path": str(text_path), "sha256": hashlib.sha256(data).hexdigest(), "tokens": len(tokens)}
+    if cal is not None:
+        out["calibration"] = {**cal.text, "choice": {f"{s} d{d}": list(c) for (s, d), c in cal.choice.items()}}
     return out
 
 
@@ -437,6 +489,10 @@ def main(argv) -> int:
     ap.add_argument("--model", type=Path, help="mlx-lm model folder or prep folder")
     ap.add_argument("--text", type=Path, help="UTF-8 text to route (default: the packaged infer/data/corpus.txt)")
     ap.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="route the first N tokens of the text")
+    ap.add_argument("--calibrate", type=Path, metavar="TEXT",
+                    help="fit the predictors' calibration on this text first (see infer.predict)")
+    ap.add_argument("--calibration", type=Path, metavar="FILE",
+                    help="a calibration file (predict.npz; default: the prep folder's own, if any)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")
     ap.add_argument("--plot", type=Path, metavar="PNG", help="plot the hit rates against cache size")
     a = ap.parse_args(argv)
@@ -448,8 +504,12 @@ def main(argv) -> int:
         return fail(f"--text {a.text} is not a file")
     if a.tokens < 2:
         return fail("--tokens must be at least 2")
+    if a.calibrate is not None and not a.calibrate.is_file():
+        return fail(f"--calibrate {a.calibrate} is not a file")
+    if a.calibration is not None and not a.calibration.is_file():
+        return fail(f"--calibration {a.calibration} is not a file")
     try:
-        rep = report(a.model, a.text, a.tokens)
+        rep = report(a.model, a.text, a.tokens, a.calibrate, a.calibration)
     except (RoutingError, UnicodeDecodeError, ModelLoadError) as e:
         return fail(str(e))
     print(format_report(rep))

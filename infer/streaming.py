@@ -20,6 +20,7 @@ temporary compact stack.
 
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +32,7 @@ import native
 from shared.blob import NUMPY_DTYPES
 from shared.source import Batch
 
+from . import predict
 from .client import DaemonDead
 
 _MX_DTYPES = {
@@ -228,35 +230,56 @@ class ExpertStore:
     ``source`` is a ``shared.source.ExpertSource``: ``infer.client.IodClient``
     (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
     in this process). ``cache_bytes`` is split evenly over the layers' stacks.
-    With ``depth > 0`` each MoE layer also predicts the experts of the next
-    ``depth`` layers by applying their routers to its own input, and hints
-    the source to prefetch the ones not cached.
+    With ``depth > 0`` each MoE layer also guesses the experts of the next
+    ``depth`` layers from its own input, and hints the source to prefetch the
+    guesses worth reading (``plan``). The guesses are the next layers'
+    routers applied to that input, or with a ``calibration``
+    (``infer.predict``, from ``infer prep --calibrate``) the predictor and
+    breadth it chose per layer and depth.
     """
 
     MIN_PRECISION = 0.25  # of guesses, for prefetch to go on (see prefetch_pays)
     PREFETCH_WARMUP = 64  # guessed experts scored before the precision decides
     GATE_DECAY = 0.99  # per scored guess set: the gate follows the last ~100
+    CLOCK_DECAY = 0.9  # per decode-sized layer call: the compute time follows the last ~10
 
-    def __init__(self, manifest, source, cache_bytes, depth=2):
+    def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None):
         self.manifest = manifest
         self.source = source
         self.cache_bytes = cache_bytes
         self.layouts = {l.layer: l for l in manifest.layers}
         self.stacks = {}
         self.depth = depth
+        self.calibration = calibration  # an infer.predict.Calibration, or None
+        self._maps = {}  # (layer, next layer) -> (W, b) as MLX arrays, made on first use
         self.routers = {}  # layer -> (router module, top k)
         self.next_layers = {}  # layer -> the MoE layers after it, in order
-        self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0}
         self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
         self.trace = None  # set to a list to record (layer, experts) per call
         self.profiler = None  # an infer.profile.Profiler: per-layer spans
+        # bytes/s the source reads at: set from the `iod doctor` profile
+        # (set_disk) or by the caller; else measured on demand reads
+        self.disk_rate = None
+        self.layer_s = None  # decayed compute time per MoE layer (decode-sized calls)
+        self._recent = {}  # layer -> the experts of its last decode-sized call
+        self.reset_stats()
+
+    def reset_stats(self):
+        """Zeroed figures and prediction scores (the cache stays)."""
+        self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0,
+                      "prefetched": 0, "prefetched_bytes": 0, "prefetch_used": 0,
+                      "prefetch_unused": 0, "prefetch_unused_bytes": 0}
         # per depth: [true positives, predicted, actual]
-        self.prediction = [[0, 0, 0] for _ in range(depth + 1)]
+        self.prediction = [[0, 0, 0] for _ in range(max(self.depth, 3) + 1)]
         self._predicted = {}  # layer -> {depth: (set of experts, prefetchable)}
         # per depth: decayed [right, guessed] of prefetchable (decode-sized)
         # guesses, which decide whether prefetch pays (prefill's are left out:
         # guessing most of a layer is always right and says nothing)
-        self._gate = [[0.0, 0.0] for _ in range(depth + 1)]
+        self._gate = [[0.0, 0.0] for _ in range(max(self.depth, 3) + 1)]
+        self._hinted = {}  # layer -> experts hinted for its next call
+        self._mark = None  # (time, IO seconds) at the end of the last layer call
+        self._io_s = 0.0  # seconds spent in fetches (stall and copy)
+        self._read = [0.0, 0.0]  # decayed [bytes, seconds] of demand reads
 
     def stack(self, layer):
         if layer not in self.stacks:
@@ -271,34 +294,121 @@ class ExpertStore:
         order = sorted(routers)
         self.next_layers = {l: order[i + 1 :] for i, l in enumerate(order)}
 
+    def set_disk(self, folder):
+        """The read rate of the disk ``folder``'s blobs lie on, as `iod doctor`
+        measured it at the daemon's queue depth (its knee); None if unprofiled."""
+        from shared import disk
+
+        layout = next(iter(self.layouts.values()), None)
+        prof = disk.for_path(Path(folder) / layout.file) if layout is not None else None
+        self.disk_rate = prof.rate(prof.knee) if prof is not None else None
+        return self.disk_rate
+
     def predict(self, layer, x):
-        """Lazy top-k guesses for the next layers: [(layer, depth, ids)]."""
+        """Lazy guesses for the next layers: [(layer, depth, ids best first,
+        use per rank or None)]."""
         out = []
+        cal = self.calibration
+        module = self.layouts[layer].module if layer in self.layouts else None
         for d, nxt in enumerate(self.next_layers.get(layer, [])[: self.depth], 1):
             router, k = self.routers[nxt]
-            scores = router(x)
-            if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
-                ids = scores[0]
+            name, breadth = cal.choice.get((module, d), ("router", k)) if cal else ("router", k)
+            use = cal.use.get((module, d, name)) if cal else None
+            recent = self._recent.get(nxt) if name == "temporal" else None
+            if name == "temporal" and recent is None:
+                name, use = "router", None
+            if name == "linear" and (layer, nxt) not in self._maps:
+                wb = cal.maps.get((module, self.layouts[nxt].module))
+                if wb is None:  # fitted for other layers than these (an MTP head's)
+                    name, use, breadth = "router", None, k
+                else:
+                    self._maps[(layer, nxt)] = (mx.array(wb[0]), mx.array(wb[1]))
+            if name == "linear":
+                w, b = self._maps[(layer, nxt)]
+                ids = predict.ranked(predict.linear_scores(x.reshape(-1, x.shape[-1]), w, b), breadth)
+            elif name == "temporal":
+                ids = mx.array(np.array(recent)[None])
             else:
-                ids = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
-            out.append((nxt, d, ids))
+                scores = router(x)
+                if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
+                    ids, use = scores[0], None
+                else:
+                    ids = predict.ranked(scores, breadth)
+            out.append((nxt, d, ids, use))
         return out
 
     def prefetch(self, guesses):
-        for layer, d, ids in guesses:
-            wanted = set(np.unique(np.array(ids)).tolist())
+        """Score ``guesses`` when their layers are called, and hint the source
+        to read the ones ``plan`` finds worth reading in time."""
+        candidates = []
+        for layer, d, ids, use in guesses:
+            rows = np.array(ids).reshape(-1, ids.shape[-1])
+            wanted = set(np.unique(rows).tolist())
             # a prefill-sized call: its next layers need most experts anyway,
             # and reading them all ahead would crowd out demand
-            small = len(wanted) <= 2 * self.routers[layer][1]
+            small = len(wanted) <= 2 * max(self.routers[layer][1], rows.shape[-1])
             self._predicted.setdefault(layer, {})[d] = (wanted, small)
-            if not small:
-                continue
-            if not self.prefetch_pays(d):
+            if not small or not self.prefetch_pays(d):
                 continue  # still scored: prefetch resumes if guesses improve
+            right, guessed = self._gate[d] if d < len(self._gate) else (1.0, 1.0)
+            online = right / guessed if guessed >= self.PREFETCH_WARMUP else 1.0
             stack = self.stack(layer)
-            missing = [e for e in sorted(wanted) if e not in stack]
-            if missing:
-                self._call("prefetch", layer, missing, d)
+            hinted = self._hinted.get(layer, set())
+            rank = {}
+            for row in rows:
+                for r, e in enumerate(row.tolist()):
+                    rank[e] = min(rank.get(e, r), r)
+            # what a read would bring: not cached, not hinted, not ready in the arena
+            fresh = [e for e in rank if e not in stack and e not in hinted]
+            not_ready = getattr(self.source, "not_ready", None)
+            fresh = set(not_ready(layer, fresh)) if not_ready and fresh else set(fresh)
+            for e, r in rank.items():
+                if e in fresh:
+                    p = float(use[r]) if use is not None and r < len(use) else online
+                    candidates.append((p, d, layer, e))
+        if not candidates:
+            return
+        rec = self.layouts[candidates[0][2]].record_bytes
+        pending = sum(len(h) for h in self._hinted.values())
+        chosen = predict.plan(candidates, self.reads_in, rec, pending)
+        by_layer = {}
+        for _, d, layer, e in chosen:
+            by_layer.setdefault((layer, d), []).append(e)
+        for (layer, d), experts in sorted(by_layer.items()):
+            sent = self._call("prefetch", layer, sorted(experts), d)
+            sent = experts if sent is None else sent  # sources that do not say
+            self._hinted.setdefault(layer, set()).update(sent)
+            self.stats["prefetched"] += len(sent)
+            self.stats["prefetched_bytes"] += len(sent) * self.layouts[layer].record_bytes
+
+    def read_rate(self):
+        """Bytes/s reads are planned with: the profiled disk's, else the rate
+        measured on demand reads, else None (unknown: no limit)."""
+        if self.disk_rate:
+            return self.disk_rate
+        nbytes, secs = self._read
+        return nbytes / secs if secs > 0 else None
+
+    def reads_in(self, depth, record_bytes):
+        """Records the source can read before the layer ``depth`` calls ahead
+        asks for them (inf while the rate or the compute time is unmeasured)."""
+        rate = self.read_rate()
+        if rate is None or self.layer_s is None:
+            return float("inf")
+        return depth * self.layer_s * rate / record_bytes
+
+    def clock(self, small):
+        """At a layer's router: the compute since the previous layer call
+        ended (its IO left out) updates ``layer_s`` for decode-sized calls."""
+        now = time.monotonic()
+        if self._mark is not None and small:
+            t, io = self._mark
+            dt = max(now - t - (self._io_s - io), 0.0)
+            a = self.CLOCK_DECAY
+            self.layer_s = dt if self.layer_s is None else a * self.layer_s + (1 - a) * dt
+
+    def _end_call(self):
+        self._mark = (time.monotonic(), self._io_s)
 
     def prefetch_pays(self, depth):
         """Whether guesses at ``depth`` are right often enough to be read
@@ -314,6 +424,8 @@ class ExpertStore:
 
     def _score(self, layer, actual):
         for d, (guess, small) in self._predicted.pop(layer, {}).items():
+            if d >= len(self.prediction):
+                continue
             row = self.prediction[d]
             right = len(guess & actual)
             row[0] += right
@@ -323,6 +435,15 @@ class ExpertStore:
                 g = self._gate[d]
                 g[0] = g[0] * self.GATE_DECAY + right
                 g[1] = g[1] * self.GATE_DECAY + len(guess)
+
+    def _count_prefetch(self, layer, actual):
+        """Hinted records this call did not use: read (or queued) for nothing."""
+        hinted = self._hinted.pop(layer, None)
+        if hinted:
+            unused = len(hinted - actual)
+            self.stats["prefetch_used"] += len(hinted) - unused
+            self.stats["prefetch_unused"] += unused
+            self.stats["prefetch_unused_bytes"] += unused * self.layouts[layer].record_bytes
 
     def prediction_stats(self):
         """Recall and precision of the prediction, per depth."""
@@ -343,6 +464,10 @@ class ExpertStore:
             self.trace.append((layer, tuple(wanted)))
         if self._predicted:
             self._score(layer, set(wanted))
+        if self._hinted:
+            self._count_prefetch(layer, set(wanted))
+        if len(wanted) <= 2 * self.routers.get(layer, (None, len(wanted)))[1]:
+            self._recent[layer] = wanted
         stack = self.stack(layer)
         stack.tick()
         missing = [e for e in wanted if e not in stack]
@@ -434,7 +559,12 @@ class ExpertStore:
         self._call("fetch_into", layer, experts, sink)
         t2 = time.monotonic_ns()
         self.stats["stall_s"] += (t2 - t0 - copying[0]) / 1e9
+        self._io_s += (t2 - t0) / 1e9
         nbytes = layout.record_bytes * len(experts)
+        # the read rate seen by demand (decayed): arena hits make it look
+        # faster, so a profiled disk (set_disk) is preferred
+        a = self.CLOCK_DECAY
+        self._read = [a * self._read[0] + nbytes, a * self._read[1] + (t2 - t0 - copying[0]) / 1e9]
         if prof:
             prof.span("stall", layer, t0, t2 - copying[0], len(experts))
             prof.span("copy", layer, t2 - copying[0], t2, nbytes)
@@ -482,10 +612,12 @@ class StreamingExperts(nn.Module):
         mx.eval(indices, *[g[2] for g in guesses])
         if store.profiler:  # the compute since the previous sync, up to this router
             store.profiler.span("compute", self._layout.layer, t0, time.monotonic_ns())
-        store.prefetch(guesses)
         ids = np.array(indices)
         unique = np.unique(ids)
+        store.clock(len(unique) <= 2 * ids.shape[-1])
+        store.prefetch(guesses)
         arrays, positions = store.gather(self._layout.layer, unique)
+        store._end_call()
         for (proj, tensor), arr in arrays.items():
             setattr(getattr(self._inner, proj), tensor, arr)
         lut = np.zeros(self._layout.num_experts, dtype=np.uint32)
@@ -520,12 +652,15 @@ def _resolve(model, path):
 
 
 def _router(block):
-    """(router module, top k) of an MoE block, found by mlx-lm's names."""
-    router = block.get("gate") if "gate" in block else block.get("router")
+    """(router, top k) of an MoE block, found by mlx-lm's names. The router
+    is looked up in the block at each call: mlx-lm replaces the module when
+    it quantizes the model after patch_model ran, and the module seen here
+    would keep its random initial weights (guesses no better than chance)."""
+    name = "gate" if "gate" in block else "router"
     k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
-    if router is None or k is None or not callable(router):
+    if not callable(block.get(name)) or k is None:
         return None
-    return router, int(k)
+    return (lambda x: block[name](x)), int(k)
 
 
 def patch_model(model, manifest, store, root=None):

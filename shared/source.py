@@ -81,15 +81,20 @@ class ExpertSource:
 
     # ---- the interface ------------------------------------------------------------
 
-    def prefetch(self, layer, experts, ahead=1) -> None:
+    def prefetch(self, layer, experts, ahead=1) -> list:
         """Hint: ``layer``'s ``experts`` are likely needed ``ahead`` layer calls
-        from now. Records already ready are left out."""
+        from now. Records already ready are left out; returns the ones hinted."""
         self._check()
-        todo = [e for e in dict.fromkeys(int(e) for e in experts) if not self._is_ready(layer, e)]
+        todo = self.not_ready(layer, experts)
         if todo:
             self.counters["prefetch_hints"] += 1
             self.counters["prefetched"] += len(todo)
             self._send_prefetch(layer, todo, self.layer_calls, self.layer_calls + ahead)
+        return todo
+
+    def not_ready(self, layer, experts) -> list:
+        """Those of ``experts`` (once each) whose records are not ready in the arena."""
+        return [e for e in dict.fromkeys(int(e) for e in experts) if not self._is_ready(layer, e)]
 
     def fetch_into(self, layer, experts, sink) -> None:
         """Call ``sink(batch)`` until every expert's record was delivered once;

@@ -37,7 +37,14 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
     assert report["modes"]["sync"]["misses"] > 0
     assert report["modes"]["iod"]["recall"] is not None
     assert report["modes"]["sync"]["recall"] is None  # no prediction in mode (b)
-    assert "iod" in r.stdout and "belady" in r.stdout
+    assert report["modes"]["sync"]["prefetched_bytes"] == 0
+    for name in ("inproc", "iod"):
+        m = report["modes"][name]
+        assert set(m["prediction"]) >= {"1", "2"}
+        assert m["stall_s_per_token"] >= 0
+        assert 0 <= m["prefetch_unused_bytes"] <= m["prefetched_bytes"]
+        assert "prefetch_reads" in m["source_counters"]
+    assert "iod" in r.stdout and "belady" in r.stdout and "unused MB" in r.stdout
 
 
 def test_bench_sessions_share_one_daemon(prep_model, tmp_path):

@@ -60,7 +60,8 @@ def test_report_of_model_and_prep_folder(synth_model, prep_model, tmp_path, caps
     capsys.readouterr()
     assert routing_main(["--model", str(src), "--tokens", "300", "--json", str(a), "--plot", str(png)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 1 + 4 + 4 and "recall@1..3" in out[0]
+    # header, 4 layers, 2 summary lines, 3 predictors (no calibration: no linear, combined)
+    assert len(out) == 1 + 4 + 2 + 3 and "recall@1..3" in out[0]
     rep = json.loads(a.read_text())
     s = rep["summary"]
     for key in ("lookahead_recall", "lookahead_precision"):
@@ -85,6 +86,8 @@ def test_refusals(tmp_path, capsys):
     assert routing_main(["--model", str(tmp_path)]) == 2
     assert "cannot load" in capsys.readouterr().err
     assert routing_main(["--model", str(tmp_path), "--text", str(tmp_path / "missing.txt")]) == 2
+    assert routing_main(["--model", str(tmp_path), "--calibrate", str(tmp_path / "missing.txt")]) == 2
+    assert routing_main(["--model", str(tmp_path), "--calibration", str(tmp_path / "missing.npz")]) == 2
 
 
 def test_synth_routing_report_is_gone():

@@ -1,0 +1,275 @@
+"""Expert prediction: which experts the next MoE layers will route to.
+
+Predictors, each a guess for MoE layer L+d made at layer L's MoE block:
+
+- ``router``: layer L+d's router applied to layer L's MoE-block input (what
+  ``ExpertStore.predict`` does without a calibration);
+- ``linear``: a least-squares linear map from layer L's MoE-block input to
+  layer L+d's router logits, fitted on a calibration text (ridge regularized);
+- ``temporal``: the experts layer L+d used for the previous token.
+
+``fit`` runs a model over a calibration text: the first three quarters fit
+the linear maps, the last quarter measures every predictor (how often the
+guess at each rank is used), and per (layer, depth) the combined predictor
+takes the best one there and a breadth: top k, widened while an extra guess
+is used at least ``MIN_USE`` of the time and precision stays at least
+``MIN_PRECISION``. ``infer prep --calibrate TEXT`` stores it beside the
+manifest (``CALIBRATION_NAME``); ``ExpertStore`` loads it when present.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+CALIBRATION_NAME = "predict.npz"
+DEPTHS = (1, 2, 3)
+NAMES = ("router", "linear", "temporal")
+RIDGE = 1e-3  # of the mean feature energy: keeps the fit stable on short texts
+MIN_USE = 0.15  # an extra guess is worth a read when it is used this often
+MIN_PRECISION = 0.5
+CHUNK = 256
+DEFAULT_TOKENS = 4096
+
+
+@dataclass
+class Calibration:
+    """Fitted maps, measured use per rank, and the combined predictor's choices.
+
+    Keys are expert-module paths (as in the manifest), so a prep folder and
+    its source folder share one calibration."""
+
+    maps: Dict[Tuple[str, str], Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # (source module, depth, predictor) -> share of guesses at each rank that were used
+    use: Dict[Tuple[str, int, str], np.ndarray] = field(default_factory=dict)
+    # (source module, depth) -> (predictor, breadth)
+    choice: Dict[Tuple[str, int], Tuple[str, int]] = field(default_factory=dict)
+    text: dict = field(default_factory=dict)
+
+    def save(self, folder) -> Path:
+        modules = sorted({m for pair in self.maps for m in pair} | {s for s, _ in self.choice})
+        idx = {m: i for i, m in enumerate(modules)}
+        arrays, maps = {}, []
+        for n, ((src, dst), (w, b)) in enumerate(sorted(self.maps.items())):
+            arrays[f"w{n}"], arrays[f"b{n}"] = w.astype(np.float32), b.astype(np.float32)
+            maps.append([idx[src], idx[dst]])
+        meta = {
+            "modules": modules, "maps": maps, "text": self.text,
+            "use": [[idx[s], d, name, u.tolist()] for (s, d, name), u in sorted(self.use.items())],
+            "choice": [[idx[s], d, name, b] for (s, d), (name, b) in sorted(self.choice.items())],
+        }
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        path = Path(folder) / CALIBRATION_NAME
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path) -> Optional["Calibration"]:
+        """The calibration at ``path`` (a file, or a folder holding one), or None."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / CALIBRATION_NAME
+        if not path.is_file():
+            return None
+        with np.load(path) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            mods = meta["modules"]
+            maps = {(mods[s], mods[d]): (z[f"w{n}"], z[f"b{n}"]) for n, (s, d) in enumerate(meta["maps"])}
+        use = {(mods[s], d, name): np.array(u) for s, d, name, u in meta["use"]}
+        choice = {(mods[s], d): (name, b) for s, d, name, b in meta["choice"]}
+        return cls(maps, use, choice, meta["text"])
+
+
+def ranked(scores, breadth: int) -> mx.array:
+    """The ``breadth`` best-scored experts per row, best first."""
+    return mx.argsort(-scores, axis=-1)[..., :breadth]
+
+
+def linear_scores(x, w, b):
+    """Router logits of a later layer, guessed from this layer's input ``x``."""
+    return x.astype(mx.float32) @ w + b
+
+
+def breadth_of(use: np.ndarray, k: int) -> int:
+    """Top k, widened while the next guess is used at least MIN_USE of the
+    time and the precision stays at least MIN_PRECISION."""
+    b = k
+    while b < len(use) and use[b] >= MIN_USE and use[: b + 1].sum() / (b + 1) >= MIN_PRECISION:
+        b += 1
+    return b
+
+
+def choose(use: Dict[str, np.ndarray], k: int) -> Tuple[str, int]:
+    """(predictor, breadth): the best recall at top k; ties to the earlier in NAMES."""
+    best = max(use, key=lambda n: (round(float(use[n][:k].sum()), 6), -NAMES.index(n)))
+    return best, breadth_of(use[best], k) if best != "temporal" else k
+
+
+def _rank_use(guess: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """Per rank: how many rows used the guess at that rank."""
+    return (guess[:, :, None] == actual[:, None, :]).any(-1).sum(0)
+
+
+def previous(ids: List[np.ndarray]) -> np.ndarray:
+    """Per token of the last chunk, the experts the previous token used (the
+    first token of the text, with none before it, gets the first k experts)."""
+    cur = ids[-1]
+    first = ids[-2][-1:] if len(ids) > 1 else np.arange(cur.shape[1])[None]
+    return np.concatenate([first, cur[:-1]])
+
+
+def fit(model, layers, tokens: List[int], depths=DEPTHS) -> Calibration:
+    """Fit and measure the predictors over ``tokens`` (``layers``: from
+    ``infer.routing.install`` on ``model``)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    n = len(tokens)
+    chunk = max(1, min(CHUNK, n // 4))
+    starts = list(range(0, n, chunk))
+    n_fit = max(1, (3 * len(starts)) // 4)
+    pairs = [(s, s.index + d, d) for s in layers for d in depths if s.index + d < len(layers)]
+    gram, cross = {}, {}
+    maps, counts, rows = {}, {}, {}
+    cache = make_prompt_cache(model)
+    for layer in layers:
+        layer.ids = []
+    for c, i in enumerate(starts):
+        for layer in layers:
+            layer.x = layer.residual = None
+        mx.eval(model(mx.array([tokens[i : i + chunk]]), cache=cache))
+        for layer in layers:
+            layer.ids[-1] = np.array(layer.ids[-1])
+        if c < n_fit:
+            _accumulate(layers, pairs, gram, cross)
+            if c == n_fit - 1:
+                maps = _solve(layers, pairs, gram, cross)
+                gram.clear(), cross.clear()
+        if c >= n_fit or len(starts) == 1:
+            _measure(layers, pairs, maps, counts, rows)
+    for layer in layers:
+        layer.x = layer.residual = None
+    cal = Calibration(text={"tokens": n, "fit_tokens": min(n, n_fit * chunk)})
+    for (src, dst, d), (w, b) in maps.items():
+        cal.maps[(layers[src].module, layers[dst].module)] = (w, b)
+    for (src, d, name), used in counts.items():
+        cal.use[(layers[src].module, d, name)] = used / max(rows[(src, d)], 1)
+    for src, dst, d in pairs:
+        use = {name: cal.use[(src.module, d, name)] for name in NAMES if (src.module, d, name) in cal.use}
+        if use:
+            cal.choice[(src.module, d)] = choose(use, _k(layers[dst]))
+    return cal
+
+
+def _k(layer) -> int:
+    return layer.top_k or int(layer.ids[-1].shape[-1])
+
+
+def _features(x):
+    x = x.astype(mx.float32)
+    return mx.concatenate([x, mx.ones((x.shape[0], 1))], axis=1)
+
+
+def _logits(layer, x):
+    out = layer.router(x)
+    return None if isinstance(out, tuple) else out.astype(mx.float32)
+
+
+def _accumulate(layers, pairs, gram, cross):
+    for src in {s.index for s, _, _ in pairs}:
+        f = _features(layers[src].x)
+        gram[src] = gram.get(src, 0) + f.T @ f
+    for s, dst, d in pairs:
+        y = _logits(layers[dst], layers[dst].x)
+        if y is not None:
+            cross[(s.index, dst, d)] = cross.get((s.index, dst, d), 0) + _features(s.x).T @ y
+    mx.eval(list(gram.values()), list(cross.values()))
+
+
+def _solve(layers, pairs, gram, cross):
+    maps = {}
+    for (src, dst, d), xy in cross.items():
+        a = np.array(gram[src], dtype=np.float64)
+        a += RIDGE * np.trace(a) / len(a) * np.eye(len(a))
+        wb = np.linalg.solve(a, np.array(xy, dtype=np.float64)).astype(np.float32)
+        maps[(src, dst, d)] = (wb[:-1], wb[-1])
+    return maps
+
+
+def _measure(layers, pairs, maps, counts, rows):
+    for s, dst, d in pairs:
+        t = layers[dst]
+        k = _k(t)
+        actual = t.ids[-1]
+        width = 2 * k
+        guesses = {}
+        scores = t.router(s.x)
+        if not isinstance(scores, tuple):
+            guesses["router"] = ranked(scores, width)
+        if (s.index, dst, d) in maps:
+            w, b = maps[(s.index, dst, d)]
+            guesses["linear"] = ranked(linear_scores(s.x, mx.array(w), mx.array(b)), width)
+        guesses["temporal"] = previous(t.ids)
+        for name, g in guesses.items():
+            used = _rank_use(np.array(g), actual)
+            key = (s.index, d, name)
+            counts[key] = counts.get(key, 0) + np.pad(used, (0, width - len(used)))
+        rows[(s.index, d)] = rows.get((s.index, d), 0) + len(actual)
+
+
+def calibrate_folder(folder, text_path, n_tokens=DEFAULT_TOKENS) -> Calibration:
+    """Fit on a prep folder (its experts read in this process) and store the
+    calibration beside its manifest."""
+    from iod.inproc import InprocSource
+
+    from .loader import load_streaming
+    from .routing import install
+
+    folder = Path(folder)
+    data = Path(text_path).read_bytes()
+    source = InprocSource(folder)
+    try:
+        model, tokenizer, store = load_streaming(folder, source)
+        store.depth = 0
+        experts = {l.module: l.num_experts for l in store.manifest.layers if not l.module.startswith("mtp.")}
+        tokens = tokenizer.encode(data.decode("utf-8"))[:n_tokens]
+        if len(tokens) < 8:
+            raise ValueError(f"{text_path} gives {len(tokens)} tokens; a calibration needs at least 8")
+        cal = fit(model, install(model, experts), tokens)
+    finally:
+        source.close()
+    cal.text.update({"path": str(text_path), "sha256": hashlib.sha256(data).hexdigest()})
+    cal.save(folder)
+    return cal
+
+
+def plan(candidates, reads_in, record_bytes, pending=0):
+    """The guesses worth a read, from ``candidates`` [(use, depth, layer,
+    expert)]: those used at least MIN_USE of the time, most likely first, as
+    many as the source reads in time: at most ``reads_in(D, record_bytes)``
+    records (``pending`` hints still outstanding included) due within D
+    layer calls, for every D. Deeper guesses (less precise) are read only
+    when the next layer's guesses do not fit in one layer's compute."""
+    wanted = [c for c in candidates if c[0] >= MIN_USE]
+    if not wanted:
+        return []
+    depths = sorted({c[1] for c in wanted})
+    cap = {d: reads_in(d, record_bytes) for d in depths}
+    need = sum(1 for c in wanted if c[1] == depths[0])
+    deepest = next((d for d in depths if cap[d] >= need + pending), depths[-1])
+    chosen, due = [], {d: pending for d in depths}  # records due within d calls
+    for c in sorted(wanted, key=lambda c: (-c[0], c[1])):
+        d = c[1]
+        if d > deepest:
+            continue
+        later = [D for D in depths if D >= d]
+        if all(due[D] + 1 <= cap[D] for D in later):
+            for D in later:
+                due[D] += 1
+            chosen.append(c)
+    return chosen

@@ -1,0 +1,182 @@
+"""Expert prediction and prefetch (infer.predict, ExpertStore) on the
+tiny-trained checkpoints: the calibrated predictors beat the router on the
+residual, the calibration round-trips through `infer prep --calibrate`,
+greedy ids stay mlx-lm's with prediction and prefetch on, and prefetched
+records the call did not use are counted."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from infer import predict, routing
+from infer.prep import main as prep_main
+
+ARCHS = ["qwen3_moe", "qwen3_next"]
+SPLIT = 10000  # heldout.txt (text never trained on): calibrate on its start, measure on the rest
+
+
+def heldout_part(folder, tmp_path_factory, first: bool) -> Path:
+    text = (folder / "heldout.txt").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("text") / ("calibration.txt" if first else "measured.txt")
+    path.write_text(text[:SPLIT] if first else text[SPLIT:], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, trained_model):
+    """``calibrated(arch) -> Path``: a prep folder made by `infer prep --calibrate`."""
+    cache = {}
+    root = tmp_path_factory.mktemp("calibrated")
+
+    def make(arch):
+        if arch not in cache:
+            out = root / arch
+            text = heldout_part(trained_model(arch), tmp_path_factory, True)
+            argv = ["--model", str(trained_model(arch)), "--out", str(out), "--no-progress",
+                    "--calibrate", str(text)]
+            assert prep_main(argv) == 0
+            cache[arch] = out
+        return cache[arch]
+
+    return make
+
+
+def test_calibration_round_trips(calibrated, tmp_path):
+    folder = calibrated("qwen3_moe")
+    cal = predict.Calibration.load(folder)
+    assert cal is not None and cal.text["fit_tokens"] >= cal.text["tokens"] // 2
+    modules = [f"model.layers.{i}.mlp.switch_mlp" for i in range(4)]
+    pairs = {(modules[s], s + d, d) for s in range(4) for d in predict.DEPTHS if s + d < 4}
+    assert set(cal.choice) == {(m, d) for m, _, d in pairs}
+    for m, t, d in pairs:
+        w, b = cal.maps[(m, modules[t])]
+        assert w.shape == (128, 64) and b.shape == (64,)
+        name, breadth = cal.choice[(m, d)]
+        assert name in predict.NAMES and 8 <= breadth <= 16
+        assert cal.use[(m, d, name)].shape == (16,)
+    cal.save(tmp_path)
+    again = predict.Calibration.load(tmp_path / predict.CALIBRATION_NAME)
+    assert again.choice == cal.choice and again.text == cal.text
+    for key, (w, b) in cal.maps.items():
+        assert np.array_equal(again.maps[key][0], w) and np.array_equal(again.maps[key][1], b)
+    for key, u in cal.use.items():
+        assert np.array_equal(again.use[key], u)
+
+
+def test_calibrate_refuses_a_missing_text(trained_model, tmp_path, capsys):
+    argv = ["--model", str(trained_model("qwen3_moe")), "--out", str(tmp_path / "p"),
+            "--calibrate", str(tmp_path / "none.txt")]
+    assert prep_main(argv) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_calibrated_predictors_beat_the_router(arch, calibrated, trained_model, tmp_path_factory):
+    """Calibrated on one part of the held-out text, measured on the other:
+    the linear map's recall is above the router-on-residual's at every
+    depth, and the combined predictor reaches depth-1 recall >= 0.85 at
+    precision >= 0.5."""
+    text = heldout_part(trained_model(arch), tmp_path_factory, False)
+    rep = routing.report(calibrated(arch), text, 2048)
+    p = rep["summary"]["predictors"]
+    assert "calibration" in rep
+    for d in ("1", "2", "3"):
+        assert p["linear"][d]["recall"] > p["moe_input"][d]["recall"], (d, p)
+        assert p["temporal"][d]["recall"] > 0
+    assert p["combined"]["1"]["recall"] >= 0.85, p["combined"]
+    assert p["combined"]["1"]["precision"] >= 0.5, p["combined"]
+
+
+def greedy(model, ids, n=32):
+    return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained_model):
+    """Streamed with the calibrated predictors, prefetch at depths 1-3 and a
+    quarter of the experts cached: mlx-lm's greedy ids."""
+    import mlx_lm
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated(arch)
+    model, tok = mlx_lm.load(str(trained_model(arch)))
+    ids = tok.encode((trained_model(arch) / "heldout.txt").read_text())[:48]
+    ref = greedy(model, ids)
+    source = InprocSource(folder)
+    try:
+        streamed, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25))
+        store.depth = 3
+        assert store.calibration is not None
+        assert greedy(streamed, ids) == ref
+        assert store.stats["prefetched"] > 0
+        assert store.stats["prefetch_used"] + store.stats["prefetch_unused"] <= store.stats["prefetched"]
+        assert store.prediction_stats()[1]["recall"] > 0.5
+        assert source.stats()["counters"]["prefetches"] > 0
+    finally:
+        source.close()
+
+
+def test_unused_prefetch_is_counted(calibrated):
+    """Hints for three experts, a call that uses one of them (and another):
+    one used, two unused, their bytes counted."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25))
+        rec = store.layouts[1].record_bytes
+        store.prefetch([(1, 1, mx.array([[3, 4, 5]]), None)])
+        assert store.stats["prefetched"] == 3 and store.stats["prefetched_bytes"] == 3 * rec
+        store.gather(1, np.array([3, 9]))
+        assert store.stats["prefetch_used"] == 1
+        assert store.stats["prefetch_unused"] == 2
+        assert store.stats["prefetch_unused_bytes"] == 2 * rec
+        # a call without hints counts nothing more
+        store.gather(1, np.array([4]))
+        assert store.stats["prefetch_unused"] == 2
+    finally:
+        source.close()
+
+
+def test_plan_reads_what_fits_in_time():
+    """Most likely first; within D layer calls no more than reads_in(D)
+    records; guesses used less than MIN_USE never; deeper depths only when the
+    next layer's guesses do not fit in one layer's compute."""
+    c = [(0.9, 1, 1, e) for e in range(6)] + [(0.1, 1, 1, 6)] + [(0.6, 2, 2, e) for e in range(4)]
+    # plenty of time: depth 1 only, all its likely guesses
+    chosen = predict.plan(c, lambda d, rec: 100.0 * d, 1)
+    assert sorted(x[3] for x in chosen) == list(range(6)) and all(x[1] == 1 for x in chosen)
+    # 4 records per layer of compute: depth 1 does not fit in one, depth 2 is read too,
+    # no more than 4 due within one call and 8 within two
+    chosen = predict.plan(c, lambda d, rec: 4.0 * d, 1)
+    assert sum(1 for x in chosen if x[1] == 1) == 4 and len(chosen) == 8
+    # outstanding hints take their share
+    assert len(predict.plan(c, lambda d, rec: 4.0 * d, 1, pending=3)) == 5
+
+
+def test_uncalibrated_store_guesses_with_the_loaded_routers(trained_prep, trained_model):
+    """Without a calibration the store applies the next layers' routers as
+    mlx-lm loaded them (quantized, trained weights), not the modules the
+    constructor made before loading: recall far above chance (8/64)."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = trained_prep("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        model, tok, store = load_streaming(folder, source, cache_bytes=0)
+        assert store.calibration is None
+        ids = tok.encode((trained_model("qwen3_moe") / "heldout.txt").read_text())[:16]
+        greedy(model, ids, n=24)
+        assert store.prediction_stats()[1]["recall"] > 0.5
+    finally:
+        source.close()
