@@ -54,21 +54,19 @@ def read_usage(folder):
 
 def calibrate(folder, text, max_tokens=CALIBRATION_TOKENS):
     """Route ``text`` (its first ``max_tokens`` tokens, one token a step as
-    in decode) through the prep ``folder``'s model with every expert cached,
-    count the experts each layer uses, and write ``usage.json``."""
+    in decode) through the prep ``folder``'s model (the default cache: the
+    trace is the routing whatever the cache holds), count the experts each
+    layer uses, and write ``usage.json``."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from iod.inproc import InprocSource
-    from shared.blob import Manifest
 
     from .loader import load_streaming
 
-    manifest = Manifest.load(folder)
     source = InprocSource(folder)
     try:
-        model, tok, store = load_streaming(folder, source, manifest.expert_bytes, dtype=mx.float32,
-                                           preload=False)
+        model, tok, store = load_streaming(folder, source, dtype=mx.float32, preload=False)
         store.depth = 0
         store.trace = []
         ids = tok.encode(text, add_special_tokens=False)[:max_tokens]

@@ -532,5 +532,9 @@ def main(argv) -> int:
         print(f"wrote {a.out / CALIBRATION_NAME}: {len(cal.maps)} linear maps fitted on "
               f"{cal.text['fit_tokens']} of {cal.text['tokens']} tokens; combined predictor uses "
               f"{', '.join(picked) or 'nothing'}")
+        from . import coldstart
+
+        coldstart.calibrate(a.out, a.calibrate.read_text(encoding="utf-8", errors="replace"))
+        print(f"wrote {a.out / coldstart.USAGE_NAME}: the experts the text uses most, loaded first")
     print(f"peak RSS {peak_rss_mb():.0f} MB")
     return 0

@@ -64,6 +64,13 @@ def test_calibration_round_trips(calibrated, tmp_path):
         assert np.array_equal(again.maps[key][0], w) and np.array_equal(again.maps[key][1], b)
     for key, u in cal.use.items():
         assert np.array_equal(again.use[key], u)
+    # the same text's expert counts, for the cold start (infer.coldstart)
+    from infer.coldstart import CALIBRATION_TOKENS, read_usage
+
+    usage = read_usage(folder)
+    assert sorted(usage) == [0, 1, 2, 3]
+    for counts in usage.values():  # one call a token, top-8 each
+        assert sum(counts.values()) == 8 * CALIBRATION_TOKENS
 
 
 def test_calibrate_refuses_a_missing_text(trained_model, tmp_path, capsys):
