@@ -588,28 +588,7 @@ def test_bench_draft_refuses_bad_arguments(prep_model):
     assert main(["--model", str(prep_model("qwen3_moe")), "--prompt", "@nope"]) == 2
 
 
-# -- trained models (tests/models, from `infer train`) ------------------------
-
-
-def _trained(arch):
-    """A trained checkpoint of ``arch`` under tests/models (or the folder in
-    $INFER_TRAINED_MODELS), or None."""
-    import json
-    import os
-    from pathlib import Path
-
-    roots = [Path(__file__).parent / "models"]
-    if os.environ.get("INFER_TRAINED_MODELS"):
-        roots.insert(0, Path(os.environ["INFER_TRAINED_MODELS"]))
-    for root in roots:
-        for d in sorted(root.glob("*")) if root.is_dir() else []:
-            try:
-                config = json.loads((d / "config.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if config.get("model_type") == arch and (d / "train.json").exists():
-                return d
-    return None
+# -- trained models (tests/models/tiny-trained-<arch>, from `infer train`) --------
 
 
 class GpuCostPolicy(AutoPolicy):
@@ -628,17 +607,8 @@ class GpuCostPolicy(AutoPolicy):
 
 
 @pytest.fixture(scope="module")
-def trained_next(tmp_path_factory):
-    from infer.prep import prep
-
-    src = _trained("qwen3_next")
-    if src is None or not (src / "mtp.safetensors").exists():
-        pytest.skip("no trained qwen3_next with an MTP head under tests/models")
-    if (src / "manifest.json").exists():
-        return src
-    out = tmp_path_factory.mktemp("trained") / src.name
-    prep(src, out, progress=False)
-    return out
+def trained_next(trained_prep):
+    return trained_prep("qwen3_next")
 
 
 def test_trained_mtp_head_is_accepted_and_turns_auto_on(trained_next):
