@@ -353,6 +353,36 @@ def test_auto_policy_turns_off_where_verify_costs_a_step_per_token():
     assert p.probe_loss <= p.LOSS_FRACTION * p.decode_s + 0.01 + 1e-9
 
 
+def test_auto_policy_probe_loss_stays_in_budget_after_each_probe():
+    # the shadow proposals are all right (the text repeated so far), the real
+    # passes accept nothing (it stops repeating), and a verify of k drafts
+    # costs 1 + 0.6 k steps: a probe of K=3, chosen on the shadow's
+    # acceptance, loses ~2 steps. The budget (1% of the decode time plus one
+    # step) must hold after every probe, not only before it.
+    p = AutoPolicy(3, {"ngram": False})
+    t1, pos, steps = 0.01, 1, 64
+    truth = REPEATING
+    p.tokens(truth[:1])
+    probes = 0
+    while pos < steps:
+        action = p.next(steps - pos)
+        if action[0] == "plain":
+            for _ in range(action[1]):
+                p.shadow("ngram", truth[pos : pos + p.k_max], 0.0)
+                p.tokens(truth[pos : pos + 1])
+                pos += 1
+            p.plain(t1 * action[1], action[1])
+            continue
+        _, name, k, probe = action
+        assert probe  # nothing was accepted: never confirmed
+        probes += 1
+        p.tokens(truth[pos : pos + 1])  # every draft wrong: the target's token only
+        pos += 1
+        p.draft_pass(name, k, 0, t1 * (1 + 0.6 * k), 0.0, 1, probe)
+        assert p.probe_loss <= p.LOSS_FRACTION * p.decode_s + t1 + 1e-9
+    assert probes >= 1
+
+
 def test_auto_policy_never_probes_without_acceptance():
     # nothing repeats: the shadow proposals are never right, no pass is spent
     p = AutoPolicy(4, {"ngram": False})
