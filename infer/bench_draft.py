@@ -200,14 +200,14 @@ def _drafted(model, prompt_ids, n, store, head, kind, k, verify):
     mtp = MTPDrafter(head, model) if head is not None else None
     ids, stats = [], None
     for tok, stats in speculative_generate(model, prompt_ids, draft=kind, num_draft=k,
-                                           max_tokens=n, mtp=mtp, exact=verify == "exact",
-                                           store=store):
+                                           max_tokens=n, mtp=mtp, verify=verify, store=store):
         ids.append(int(tok))
     s = stats.summary()
     keep = ("accept_len", "acceptance_rate", "accepted_per_draft_pass", "decode_tok_s",
             "bytes_read_per_token", "experts_per_token", "fed_per_token", "passes",
             "draft_passes", "drafted", "accepted", "draft_s", "decode_s", "union", "auto")
-    return ids, {key: s[key] for key in keep}
+    # the verify that ran: "rowwise" falls back to "exact" on caches it cannot handle
+    return ids, {"verify_used": s["verify"], **{key: s[key] for key in keep}}
 
 
 def measure(args, mode, model, tokenizer, store, manifest, arena):

@@ -595,6 +595,7 @@ def test_bench_draft_mtp_resident_and_streamed(prep_model, tmp_path):
         d = report["modes"][mode]["draft"]
         assert d["kind"] == "mtp" and d["exact"] is True and d["verify"] == "exact"
         assert {c["verify"] for c in d["configs"]} == {"exact", "rowwise"}
+        assert all(c["verify_used"] == c["verify"] for c in d["configs"])  # rowwise ran as such
         assert all(c["exact"] and c["drafted"] > 0 for c in d["configs"])
 
 
