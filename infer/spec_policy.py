@@ -26,8 +26,9 @@ Passes spent to measure T(k) (probes) are limited: the first is one draft
 (the least a pass can lose), and only where the acceptance seen says
 drafting would pay even if a verify pass cost one plain step; a further K is
 probed only where the cost fitted on the first says it would pay; drafting
-itself needs two measurements of its K; and probes run only while what they
-lost stays under ``LOSS_FRACTION`` of the decode time (plus one step). So
+itself needs two measurements of its K; and a probe runs only if what probes
+lost, this probe's loss included should it accept nothing, stays under
+``LOSS_FRACTION`` of the decode time (plus one step). So
 where nothing is accepted (no repetition for the n-gram drafter, an
 untrained MTP head) auto costs the shadow lookups only, and where the verify
 costs too much (K+1 one-token passes on a CPU) it costs one probe of one
@@ -226,7 +227,8 @@ class AutoPolicy:
                         best = (s, (name, K))
                 elif s > probe[0]:
                     probe = (s, (name, K))  # extrapolated: measure it before relying on it
-        if probe[1] is not None and probe[0] > best[0] * (1.0 + self.MARGIN) and self._may_probe():
+        if (probe[1] is not None and probe[0] > best[0] * (1.0 + self.MARGIN)
+                and self._may_probe(*probe[1])):
             return self._draft(*probe[1], probe[0], True)
         if best[1] is not None:
             return self._draft(*best[1], best[0], False)
@@ -238,9 +240,18 @@ class AutoPolicy:
         return sum(1 for n, k, _, at in self.passes
                    if n == name and k == K and now - at <= self.FRESH) >= 2
 
-    def _may_probe(self):
+    def _may_probe(self, name, K):
+        """Whether a probe pass of K fits in the loss budget even if it
+        accepts nothing (it then costs T(K) + K drafts for one token): checked
+        with its own loss included, so a probe of several drafts (a few
+        steps on a CPU) cannot overshoot the budget by its own cost."""
         t1 = self.plain_time() or 0.0
-        return self.probe_loss <= self.LOSS_FRACTION * self.decode_s + t1
+        ratio = self.verify_ratio(name, K)[0]
+        if ratio is None:
+            ratio = 1.0 + self.prior_beta * K
+        c = (self.draft_cost(name) or 0.0) / t1 if t1 else 0.0
+        worst = max(ratio + c * K - 1.0, 0.0) * t1
+        return self.probe_loss + worst <= self.LOSS_FRACTION * self.decode_s + t1 + 1e-12
 
     def _plain(self, remaining, n=None):
         if self.state[0] != "plain":

@@ -353,6 +353,36 @@ def test_auto_policy_turns_off_where_verify_costs_a_step_per_token():
     assert p.probe_loss <= p.LOSS_FRACTION * p.decode_s + 0.01 + 1e-9
 
 
+def test_auto_policy_probe_loss_stays_in_budget_after_each_probe():
+    # the shadow proposals are all right (the text repeated so far), the real
+    # passes accept nothing (it stops repeating), and a verify of k drafts
+    # costs 1 + 0.6 k steps: a probe of K=3, chosen on the shadow's
+    # acceptance, loses ~2 steps. The budget (1% of the decode time plus one
+    # step) must hold after every probe, not only before it.
+    p = AutoPolicy(3, {"ngram": False})
+    t1, pos, steps = 0.01, 1, 64
+    truth = REPEATING
+    p.tokens(truth[:1])
+    probes = 0
+    while pos < steps:
+        action = p.next(steps - pos)
+        if action[0] == "plain":
+            for _ in range(action[1]):
+                p.shadow("ngram", truth[pos : pos + p.k_max], 0.0)
+                p.tokens(truth[pos : pos + 1])
+                pos += 1
+            p.plain(t1 * action[1], action[1])
+            continue
+        _, name, k, probe = action
+        assert probe  # nothing was accepted: never confirmed
+        probes += 1
+        p.tokens(truth[pos : pos + 1])  # every draft wrong: the target's token only
+        pos += 1
+        p.draft_pass(name, k, 0, t1 * (1 + 0.6 * k), 0.0, 1, probe)
+        assert p.probe_loss <= p.LOSS_FRACTION * p.decode_s + t1 + 1e-9
+    assert probes >= 1
+
+
 def test_auto_policy_never_probes_without_acceptance():
     # nothing repeats: the shadow proposals are never right, no pass is spent
     p = AutoPolicy(4, {"ngram": False})
@@ -565,6 +595,7 @@ def test_bench_draft_mtp_resident_and_streamed(prep_model, tmp_path):
         d = report["modes"][mode]["draft"]
         assert d["kind"] == "mtp" and d["exact"] is True and d["verify"] == "exact"
         assert {c["verify"] for c in d["configs"]} == {"exact", "rowwise"}
+        assert all(c["verify_used"] == c["verify"] for c in d["configs"])  # rowwise ran as such
         assert all(c["exact"] and c["drafted"] > 0 for c in d["configs"])
 
 
@@ -588,28 +619,7 @@ def test_bench_draft_refuses_bad_arguments(prep_model):
     assert main(["--model", str(prep_model("qwen3_moe")), "--prompt", "@nope"]) == 2
 
 
-# -- trained models (tests/models, from `infer train`) ------------------------
-
-
-def _trained(arch):
-    """A trained checkpoint of ``arch`` under tests/models (or the folder in
-    $INFER_TRAINED_MODELS), or None."""
-    import json
-    import os
-    from pathlib import Path
-
-    roots = [Path(__file__).parent / "models"]
-    if os.environ.get("INFER_TRAINED_MODELS"):
-        roots.insert(0, Path(os.environ["INFER_TRAINED_MODELS"]))
-    for root in roots:
-        for d in sorted(root.glob("*")) if root.is_dir() else []:
-            try:
-                config = json.loads((d / "config.json").read_text())
-            except (OSError, ValueError):
-                continue
-            if config.get("model_type") == arch and (d / "train.json").exists():
-                return d
-    return None
+# -- trained models (tests/models/tiny-trained-<arch>, from `infer train`) --------
 
 
 class GpuCostPolicy(AutoPolicy):
@@ -628,17 +638,8 @@ class GpuCostPolicy(AutoPolicy):
 
 
 @pytest.fixture(scope="module")
-def trained_next(tmp_path_factory):
-    from infer.prep import prep
-
-    src = _trained("qwen3_next")
-    if src is None or not (src / "mtp.safetensors").exists():
-        pytest.skip("no trained qwen3_next with an MTP head under tests/models")
-    if (src / "manifest.json").exists():
-        return src
-    out = tmp_path_factory.mktemp("trained") / src.name
-    prep(src, out, progress=False)
-    return out
+def trained_next(trained_prep):
+    return trained_prep("qwen3_next")
 
 
 def test_trained_mtp_head_is_accepted_and_turns_auto_on(trained_next):
