@@ -90,7 +90,11 @@ def write_arena_record(folder: Path, *names: str) -> None:
     """Name our segments (the arena, its pin table) in ``arena.name``
     (atomically), so a restart or ``iod stop`` can remove them after a
     SIGKILL on any OS."""
-    rec = paths.arena_record_path(folder)
+    _write_private(paths.arena_record_path(folder), "".join(n + "\n" for n in names).encode())
+
+
+def _write_private(rec: Path, data: bytes) -> None:
+    """A fresh 0600 file beside ``rec``, renamed into place (atomic)."""
     tmp = rec.with_suffix(".tmp")
     try:
         tmp.unlink()  # a leftover (or a planted symlink): never written through
@@ -98,7 +102,7 @@ def write_arena_record(folder: Path, *names: str) -> None:
         pass
     fd = _open_private(tmp, os.O_WRONLY)
     try:
-        os.write(fd, "".join(n + "\n" for n in names).encode())
+        os.write(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, rec)
@@ -112,18 +116,7 @@ def write_start_args(folder: Path, argv: list) -> None:
     """Record the options this daemon was started with (``iod start``'s
     own, as a JSON list), so ``iod restart`` starts the next one alike.
     Written like ``arena.name``: a fresh 0600 file renamed into place."""
-    rec = start_args_path(folder)
-    tmp = rec.with_suffix(".tmp")
-    try:
-        tmp.unlink()  # a leftover (or a planted symlink): never written through
-    except FileNotFoundError:
-        pass
-    fd = _open_private(tmp, os.O_WRONLY)
-    try:
-        os.write(fd, json.dumps({"start": [str(a) for a in argv]}).encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, rec)
+    _write_private(start_args_path(folder), json.dumps({"start": [str(a) for a in argv]}).encode())
 
 
 def read_start_args(folder: Path) -> list:

@@ -16,7 +16,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 import pytest
 
@@ -24,34 +23,9 @@ from shared import protocol as P
 from shared.blob import Manifest
 from tests.iod_fixtures import PY, Raw, short_dir, wait_for
 from tests.test_run import PROMPT, mlx_greedy_ids, tiny_budget
+from tests.test_trust import cli, emit, gone, one_line
 
 E = P.ErrorCode
-
-
-def cli(*args, timeout=60):
-    t = time.monotonic()
-    p = subprocess.run([PY, "-m", "iod.cli", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout)
-    return p, time.monotonic() - t
-
-
-def emit(check, figures):
-    print(json.dumps({"check": check, **figures}))
-
-
-def one_line(text) -> str:
-    lines = text.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
-def gone(pid) -> bool:
-    """Exited (a zombie nobody reaped counts: it holds nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def stats(sock) -> dict:
