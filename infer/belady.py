@@ -88,8 +88,8 @@ class Policy:
     def victim(self, keep):
         return next((e for e in self.cached if e not in keep), None)
 
-    def request(self, req):
-        """Serve one call; returns its misses."""
+    def _count(self, req):
+        """Count one call's accesses and hits; returns its misses, by id."""
         self.t += 1
         for e in req:
             self.on_access(e)
@@ -97,6 +97,11 @@ class Policy:
         for e in sorted(req):
             if e in self.cached:
                 self.on_hit(e)
+        return missing
+
+    def request(self, req):
+        """Serve one call; returns its misses."""
+        missing = self._count(req)
         for e in missing:
             if len(self.cached) >= self.capacity:
                 v = self.victim(req)
@@ -179,13 +184,7 @@ class FreqDecayRank(FreqDecay):
     stack holds therefore keeps the ones used most, not the first by id."""
 
     def request(self, req):
-        self.t += 1
-        for e in req:
-            self.on_access(e)
-        missing = [e for e in sorted(req) if e not in self.cached]
-        for e in sorted(req):
-            if e in self.cached:
-                self.on_hit(e)
+        missing = self._count(req)
         for e in sorted(missing, key=lambda e: (-self._now(e), e)):
             if len(self.cached) >= self.capacity:
                 v = self.victim(req)
