@@ -138,7 +138,9 @@ def test_unused_prefetch_is_counted(calibrated):
     folder = calibrated("qwen3_moe")
     source = InprocSource(folder)
     try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25))
+        # no cold-start preload: nothing is cached or staged before the hints
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
         rec = store.layouts[1].record_bytes
         store.prefetch([(1, 1, mx.array([[3, 4, 5]]), None)])
         assert store.stats["prefetched"] == 3 and store.stats["prefetched_bytes"] == 3 * rec
