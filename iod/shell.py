@@ -30,11 +30,12 @@ from .core import Config, Core
 
 MAX_CONNECTIONS = 1024  # peers connected at once; more are refused at the handshake
 STOP_READS_S = 10.0  # a stop waits this long for the reads in flight
-# Replies queued in the daemon for one peer, then dropped for it. They queue
-# here only once the peer's own libzmq has 1000 unread (its RCVHWM) and the
-# kernel's buffers are full, which a session (one call in flight) never has:
-# so this bounds the memory a peer that does not read costs, and nothing else.
-REPLY_HWM = 16
+# Replies in flight to one peer, then dropped for it: the bound on the memory
+# a peer that does not read costs. Replies also pass through here in bursts
+# before libzmq's I/O thread moves them on, so a peer that pipelines requests
+# (one loop turn answers them all) must fit too: a session has a call or two
+# in flight; the hostile-input check pipelines 33 (16 lost some, measured).
+REPLY_HWM = 64
 REQUEST_HWM = 1024  # requests queued for us per peer (we read every loop turn)
 FD_LIMIT_MAX = 1 << 20  # the descriptor limit we raise to, when the hard limit allows
 FD_RESERVE_MIN = 64  # descriptors kept beside the connections: blobs, pidfds, pipes, libzmq's
