@@ -447,8 +447,10 @@ def request(sock: Path, msg, timeout: float):
 
     from shared import codec
 
-    ctx = zmq.Context(1)
-    s = ctx.socket(zmq.DEALER)
+    # the process-wide context, never terminated here: a Ctrl-C that lands in
+    # a private context's term() can leave it for the interpreter's exit to
+    # wait on (suspected in a drain test that hung once under load)
+    s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
         s.connect(paths.endpoint(sock))
@@ -458,7 +460,6 @@ def request(sock: Path, msg, timeout: float):
         return codec.decode(s.recv_multipart())
     finally:
         s.close()
-        ctx.term()
 
 
 def status(sock: Path, timeout: float, as_json: bool) -> int:
