@@ -34,4 +34,15 @@ bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at
     timeout ${BENCH_S:-170} python3 -m infer.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
       $flags --json "$OUT/bench14-$b.json" 2>&1 | tail -8
   done ;;
+trained)  # issue 13/15: a benchmark-scale qwen3_moe trained here, its routing and a bench
+  M=${MINUTES:-5.5}
+  log train; infer train --arch qwen3_moe --preset small --corpus "${CORPUS:-stdlib}" --minutes "$M" --seed 0 \
+    --dtype bfloat16 --no-judge --out "$W/ts" --force 2>&1 | tail -12
+  cp "$W/ts/train.json" "$OUT/train-small.json"
+  log prep; infer prep --model "$W/ts" --out "$W/tsp" --force 2>&1 | tail -1
+  log routing; infer routing --model "$W/tsp" --text "$W/ts/heldout.txt" --tokens 1024 --json "$OUT/routing-small.json" 2>&1 | tail -12
+  for b in ${BUDGETS:-0.25 0.1}; do
+    log "bench $b"; timeout 100 python3 -m infer.bench --model "$W/tsp" --budget "$b" --runs 1 --max-tokens 32 \
+      --modes resident,sync,iod --json "$OUT/bench-small-$b.json" 2>&1 | tail -5
+  done ;;
 esac
