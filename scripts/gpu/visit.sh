@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|trained
 # Results go to $OUT (the device tool's folder that comes back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
