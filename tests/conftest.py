@@ -5,10 +5,16 @@
         dst = prep_model("gpt_oss", quant="mxfp4")      # prep folder of the same synth model
 """
 
+import signal
 import threading
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background by a shell without job control ignores
+# SIGINT, and every child inherits that: the Ctrl-C tests need it delivered.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _lock = threading.Lock()
 
