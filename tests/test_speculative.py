@@ -302,11 +302,13 @@ def test_ngram_drafter():
     assert d.propose(0) == []
 
 
-def _drive(policy, truth, plain_s, verify_s, steps=200):
+def _drive(policy, truth, plain_s, verify_s, steps=200, accept=True, after_pass=None):
     """Runs the policy over a token sequence as the decoder would, with
     scripted costs: a plain step takes ``plain_s``, a verify pass of k
-    drafts ``verify_s(k)``; the drafter proposes the truth. Returns the
-    decode time and the tokens committed."""
+    drafts ``verify_s(k)``; the shadow proposals are the truth, and the real
+    drafts are all right (``accept``) or all wrong. ``after_pass(probe)`` is
+    called after each verify pass. Returns the decode time and the tokens
+    committed."""
     pos, t = 0, 0.0
     policy.tokens(truth[:1])
     pos = 1
@@ -321,12 +323,15 @@ def _drive(policy, truth, plain_s, verify_s, steps=200):
             t += plain_s * action[1]
         else:
             _, name, k, probe = action
-            new = truth[pos : pos + k + 1]  # every draft right, and the target's token
+            # every draft right and the target's token, or the target's token only
+            new = truth[pos : pos + k + 1] if accept else truth[pos : pos + 1]
             policy.tokens(new)
             pos += len(new)
             dt = verify_s(k)
-            policy.draft_pass(name, k, k, dt, 0.0, len(new), probe)
+            policy.draft_pass(name, k, len(new) - 1, dt, 0.0, len(new), probe)
             t += dt
+            if after_pass is not None:
+                after_pass(probe)
     return t, pos
 
 
@@ -360,27 +365,15 @@ def test_auto_policy_probe_loss_stays_in_budget_after_each_probe():
     # acceptance, loses ~2 steps. The budget (1% of the decode time plus one
     # step) must hold after every probe, not only before it.
     p = AutoPolicy(3, {"ngram": False})
-    t1, pos, steps = 0.01, 1, 64
-    truth = REPEATING
-    p.tokens(truth[:1])
-    probes = 0
-    while pos < steps:
-        action = p.next(steps - pos)
-        if action[0] == "plain":
-            for _ in range(action[1]):
-                p.shadow("ngram", truth[pos : pos + p.k_max], 0.0)
-                p.tokens(truth[pos : pos + 1])
-                pos += 1
-            p.plain(t1 * action[1], action[1])
-            continue
-        _, name, k, probe = action
+    t1, probes = 0.01, []
+
+    def check(probe):
         assert probe  # nothing was accepted: never confirmed
-        probes += 1
-        p.tokens(truth[pos : pos + 1])  # every draft wrong: the target's token only
-        pos += 1
-        p.draft_pass(name, k, 0, t1 * (1 + 0.6 * k), 0.0, 1, probe)
+        probes.append(probe)
         assert p.probe_loss <= p.LOSS_FRACTION * p.decode_s + t1 + 1e-9
-    assert probes >= 1
+
+    _drive(p, REPEATING, t1, lambda k: t1 * (1 + 0.6 * k), steps=64, accept=False, after_pass=check)
+    assert len(probes) >= 1
 
 
 def test_auto_policy_never_probes_without_acceptance():
