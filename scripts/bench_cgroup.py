@@ -79,6 +79,19 @@ def minimum_of(model, dtype, context):
     return minimum_budget(model, Manifest.load(model), dtype=dtype, context=context)
 
 
+def run_in_cgroup(program, budget, cmd, **popen_kw):
+    """``cmd`` in a fresh memory cgroup of ``budget`` bytes: (figures, stdout, stderr)."""
+    with MemoryCgroup(budget) as cg:
+        t0 = time.monotonic()
+        proc = cg.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kw)
+        out, err = proc.communicate()
+        wall = time.monotonic() - t0
+        s = cg.stats()
+    r = {"program": program, "budget": budget, "rc": proc.returncode, "wall_s": wall,
+         "peak": s["peak"], "failcnt": s["failcnt"], "oom_kill": s["oom_kill"]}
+    return r, out, err
+
+
 def run_ours(model, budget, args):
     """One ``infer run`` in a fresh cgroup of ``budget`` bytes."""
     drop_page_cache([model])
@@ -88,16 +101,8 @@ def run_ours(model, budget, args):
            "--prompt", args.prompt, "--json"]
     if args.dtype:
         cmd += ["--dtype", args.dtype]
-    with MemoryCgroup(budget) as cg:
-        t0 = time.monotonic()
-        proc = cg.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                        cwd=ROOT)
-        out, err = proc.communicate()
-        wall = time.monotonic() - t0
-        s = cg.stats()
-    r = {"program": "infer", "budget": budget, "rc": proc.returncode, "wall_s": wall,
-         "peak": s["peak"], "failcnt": s["failcnt"], "oom_kill": s["oom_kill"]}
-    if proc.returncode == 0:
+    r, out, err = run_in_cgroup("infer", budget, cmd, env=env, cwd=ROOT)
+    if r["rc"] == 0:
         st = json.loads(out)["stats"]
         r.update(decode_tps=st["decode_tps"], prompt_tps=st["prompt_tps"],
                  hits=st["hits"], misses=st["misses"], tokens=len(json.loads(out)["tokens"]))
@@ -112,15 +117,8 @@ def run_llama(gguf, budget, args, depth):
     cmd = [args.llama_bench, "-m", str(gguf), "-p", "0", "-n", str(args.max_tokens),
            "-d", str(depth), "-t", str(args.threads), "-r", "1", "-o", "json",
            *args.llama_args.split()]
-    with MemoryCgroup(budget) as cg:
-        t0 = time.monotonic()
-        proc = cg.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = proc.communicate()
-        wall = time.monotonic() - t0
-        s = cg.stats()
-    r = {"program": "llama.cpp", "budget": budget, "rc": proc.returncode, "wall_s": wall,
-         "peak": s["peak"], "failcnt": s["failcnt"], "oom_kill": s["oom_kill"]}
-    if proc.returncode == 0:
+    r, out, err = run_in_cgroup("llama.cpp", budget, cmd)
+    if r["rc"] == 0:
         rows = json.loads(out)
         r["decode_tps"] = rows[-1]["avg_ts"]
         r["type"] = rows[-1].get("model_type", "")
