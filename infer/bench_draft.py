@@ -237,6 +237,7 @@ def measure(args, mode, model, tokenizer, store, manifest, arena):
                 failed[c] = f"{type(e).__name__}: {e}"[:1000]
     base_ids, first = one(None, n)
     out = {"tokens": n, "prompt_tokens": len(prompt_ids), "baseline_ids": base_ids, "configs": []}
+    config_ids = []
     for kind, k, verify in configs:
         entry = {"kind": kind, "k": k, "verify": verify}
         try:
@@ -246,22 +247,30 @@ def measure(args, mode, model, tokenizer, store, manifest, arena):
         except Exception as e:  # noqa: BLE001 - reported in the JSON
             out["configs"].append({**entry, "error": f"{type(e).__name__}: {e}"[:1000]})
             continue
-        first_diff = next((i for i, (a, b) in enumerate(zip(ids, base_ids)) if a != b), None)
-        out["configs"].append({**entry, "exact": ids == base_ids, "first_diff": first_diff,
+        config_ids.append((len(out["configs"]), ids))
+        out["configs"].append({**entry, "exact": ids == base_ids, "first_diff": _first_diff(ids, base_ids),
                                **figures})
         mx.clear_cache()
-    ids, last = one(None, n)
-    if ids != base_ids:
-        # the reference itself is not reproducible here (seen on MLX CUDA):
-        # say where, so that the backend's nondeterminism can be located
-        at = next((i for i, (a, b) in enumerate(zip(ids, base_ids)) if a != b), min(len(ids), len(base_ids)))
-        raise AssertionError(f"plain greedy decoding gave different ids in two runs in one process "
-                             f"(first at token {at} of {n}: {base_ids[at:at + 4]} then {ids[at:at + 4]})")
+    again, last = one(None, n)
     out["baseline"] = [first, last]
+    if again != base_ids:
+        # the reference itself is not reproducible here (seen on MLX CUDA):
+        # keep the figures, say where the two plain runs part and whether
+        # each configuration equals one of them
+        out["baseline_first_diff"] = _first_diff(again, base_ids)
+        for i, ids in config_ids:
+            out["configs"][i]["equals_a_plain_run"] = ids in (base_ids, again)
     if args.draft_check and args.run_index == 0:
         out["check"] = check(model, prompt_ids, min(n, 64), parse_ks(args.num_draft), store,
                              lambda: fresh_source(args, mode, store, arena))
     return out
+
+
+def _first_diff(ids, ref):
+    """Index of the first token where two id lists differ (None: equal)."""
+    if ids == ref:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b), min(len(ids), len(ref)))
 
 
 def check(model, prompt_ids, n, ks, store, source):
@@ -313,6 +322,8 @@ def merge(runs):
             "bytes_saved_per_token": base_bytes - bytes_tok,
             "first_diff": next((p["first_diff"] for p in per if p["first_diff"] is not None), None),
         })
+        if any("equals_a_plain_run" in p for p in per):
+            m["equals_a_plain_run"] = all(p.get("equals_a_plain_run", p["exact"]) for p in per)
         merged.append(m)
     ran = [m for m in merged if "error" not in m]
     if not ran:
@@ -326,6 +337,9 @@ def merge(runs):
                                       "union", "exact")}
     out.update({"tokens": runs[0]["tokens"], "prompt_tokens": runs[0]["prompt_tokens"],
                 "runs": len(runs), "configs": merged})
+    diffs = [r["baseline_first_diff"] for r in runs if "baseline_first_diff" in r]
+    if diffs:  # plain greedy decoding itself varied run to run
+        out["baseline_first_diff"] = min(diffs)
     checks = [r["check"] for r in runs if "check" in r]
     if checks:
         out["check"] = checks[0]
@@ -350,6 +364,14 @@ def not_exact(report):
     return out
 
 
+def _exact_cell(c):
+    if c["exact"]:
+        return "yes"
+    if "equals_a_plain_run" in c:  # the plain runs differed too
+        return "= a plain run" if c["equals_a_plain_run"] else "NO (plain varies too)"
+    return "NO"
+
+
 def table(report):
     rows = [("mode", "draft", "verify", "K", "tok/pass", "accept", "tok/s", "plain tok/s",
              "speedup [runs]", "MB/tok", "plain MB/tok", "union saved", "exact")]
@@ -370,7 +392,7 @@ def table(report):
                 f"{c['bytes_read_per_token'] / 1e6:.2f}",
                 f"{c['baseline_bytes_read_per_token'] / 1e6:.2f}",
                 f"{c['union']['saved_fraction']:.2f}" if c["union"]["layer_calls"] else "-",
-                "yes" if c["exact"] else "NO"))
+                _exact_cell(c)))
     if len(rows) == 1:
         return ""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -600,6 +600,27 @@ def test_bench_draft_auto_without_repetition(prep_model, tmp_path):
     assert d["configs"][0]["draft_passes"] == 0  # it never verified a draft
 
 
+def test_bench_draft_keeps_figures_when_plain_decoding_varies():
+    """On a backend whose greedy ids vary run to run (MLX CUDA), the figures
+    stay, with where the plain runs parted and whether each configuration
+    equals one of them."""
+    from infer import bench_draft
+
+    fig = {"accept_len": 2.0, "acceptance_rate": 0.5, "bytes_read_per_token": 10.0,
+           "union": {"layer_calls": 0}, "verify_used": "exact"}
+    run = {"tokens": 8, "prompt_tokens": 3, "baseline_ids": [1, 2, 3], "baseline_first_diff": 5,
+           "baseline": [{"decode_tok_s": 10.0, "bytes_read_per_token": 12.0}] * 2,
+           "configs": [{"kind": "mtp", "k": 1, "verify": "exact", "exact": False, "first_diff": 5,
+                        "equals_a_plain_run": True, "decode_tok_s": 15.0, **fig},
+                       {"kind": "mtp", "k": 2, "verify": "exact", "exact": False, "first_diff": 4,
+                        "equals_a_plain_run": False, "decode_tok_s": 16.0, **fig}]}
+    d = bench_draft.merge([run])
+    assert d["baseline_first_diff"] == 5 and d["speedup"] == pytest.approx(1.6)
+    assert [c["equals_a_plain_run"] for c in d["configs"]] == [True, False]
+    table = bench_draft.table({"modes": {"resident": {"draft": d}}})
+    assert "= a plain run" in table and "NO (plain varies too)" in table
+
+
 def test_bench_draft_refuses_bad_arguments(prep_model):
     from infer import bench_draft, speculative
     from infer.bench import main

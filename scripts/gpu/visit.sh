@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|trained
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|trained|spec
 # Results go to $OUT (the device tool's folder that comes back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,15 +34,44 @@ bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at
     timeout ${BENCH_S:-170} python3 -m infer.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
       $flags --json "$OUT/bench14-$b.json" 2>&1 | tail -8
   done ;;
-trained)  # issue 13/15: a benchmark-scale qwen3_moe trained here, its routing and a bench
-  M=${MINUTES:-5.5}
-  log train; infer train --arch qwen3_moe --preset small --corpus "${CORPUS:-stdlib}" --minutes "$M" --seed 0 \
-    --dtype bfloat16 --no-judge --out "$W/ts" --force 2>&1 | tail -12
-  cp "$W/ts/train.json" "$OUT/train-small.json"
-  log prep; infer prep --model "$W/ts" --out "$W/tsp" --force 2>&1 | tail -1
-  log routing; infer routing --model "$W/tsp" --text "$W/ts/heldout.txt" --tokens 1024 --json "$OUT/routing-small.json" 2>&1 | tail -12
-  for b in ${BUDGETS:-0.25 0.1}; do
-    log "bench $b"; timeout 100 python3 -m infer.bench --model "$W/tsp" --budget "$b" --runs 1 --max-tokens 32 \
-      --modes resident,sync,iod --json "$OUT/bench-small-$b.json" 2>&1 | tail -5
+probe)  # the trainer's step per MoE kernel (scripts/gpu/train_probe.py), small preset
+  timeout ${PROBE_S:-330} python3 scripts/gpu/train_probe.py --preset small --steps ${STEPS:-5} --json /root/probe.json \
+    ${VARIANTS:-qwen3_moe:gather+compile qwen3_next:gather+compile qwen3_moe:gather qwen3_next:gather qwen3_moe:grouped}
+  cp /root/probe.json "$OUT/" ;;
+train)  # issue 13: both architectures at the small preset, side by side, with the probe's best kernels
+  M=${MINUTES:-7.5}
+  for arch in ${ARCHS:-qwen3_moe qwen3_next}; do
+    flags=$(python3 -c "import json; b=json.load(open('/root/probe.json'))['best'].get('$arch', {}); \
+print(('--experts ' + b['experts'] if b else '') + (' --compile' if b.get('compile') else ''))" 2>/dev/null)
+    log "train $arch $flags"
+    infer train --arch $arch --preset small --corpus "${CORPUS:-/root/stash/corpus.txt}" --minutes "$M" --seed 0 \
+      --dtype bfloat16 --no-judge --out "$W/t-$arch" --force $flags > "$OUT/train-$arch.log" 2>&1 &
+  done
+  wait
+  for arch in ${ARCHS:-qwen3_moe qwen3_next}; do cp "$W/t-$arch/train.json" "$OUT/train-$arch.json"; tail -3 "$OUT/train-$arch.log"; done ;;
+trained)  # issues 13/15/17 on the trained small models: prep, routing, doctor, budgets, drafts
+  cal=$W/calibrate.txt  # training-distribution text (the corpus holds the stdlib), not the held-out text
+  lib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+  cat "$lib"/json/encoder.py "$lib"/textwrap.py "$lib"/shlex.py "$lib"/fractions.py > "$cal"
+  for arch in ${ARCHS:-qwen3_moe qwen3_next}; do
+    log "prep $arch"; infer prep --model "$W/t-$arch" --out "$W/p-$arch" --calibrate "$cal" --force 2>&1 | tail -1
+    log "routing $arch"; infer routing --model "$W/p-$arch" --text "$W/t-$arch/heldout.txt" --tokens 1024 \
+      --json "$OUT/routing-$arch.json" 2>&1 | tail -14
+  done
+  log doctor; iod doctor --model "$W/p-qwen3_moe" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"
+  for b in ${BUDGETS:-1.0 0.5 0.25 0.1}; do
+    if [ "$b" = 1.0 ]; then flags="--warm --modes resident,iod"; else flags="--modes sync,iod"; fi
+    log "bench $b $flags"
+    timeout ${BENCH_S:-100} python3 -m infer.bench --model "$W/p-qwen3_moe" --budget "$b" --runs ${RUNS:-2} \
+      --max-tokens 48 --prompt @pycode --raw-prompt $flags --json "$OUT/bench-moe-$b.json" 2>&1 | tail -6
   done ;;
+spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gram on code
+  P="$W/p-qwen3_next"
+  log mtp-resident; timeout ${SPEC_S:-120} python3 -m infer.bench --model "$P" --modes resident --runs 2 --draft mtp \
+    --num-draft 1,2,3 --prompt @prose --raw-prompt --max-tokens 64 --json "$OUT/spec-mtp-100.json" 2>&1 | tail -12
+  log mtp-25; timeout ${SPEC_S:-120} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 --runs 2 --draft mtp \
+    --num-draft 1,2,3 --prompt @prose --raw-prompt --max-tokens 64 --json "$OUT/spec-mtp-25.json" 2>&1 | tail -12
+  log ngram; timeout ${SPEC_S:-120} python3 -m infer.bench --model "$P" --modes resident --runs 2 --draft ngram \
+    --num-draft 2,4 --prompt @code --raw-prompt --max-tokens 64 --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12
+  ;;
 esac
