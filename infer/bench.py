@@ -73,8 +73,14 @@ def build_parser():
     return p
 
 
-def cache_bytes_of(budget: str, expert_bytes: int) -> int:
-    """``--budget``: a fraction of all expert bytes, or a size."""
+def cache_bytes_of(budget: str, manifest, draft="none", model_dir=None) -> int:
+    """``--budget``: a fraction of the expert bytes of the layers the cache
+    is shared over (an MTP head's only when it drafts), or a size."""
+    from .budget import cached_layers
+    from .mtp import drafts_with_mtp
+
+    expert_bytes = sum(l.stride * l.num_experts
+                       for l in cached_layers(manifest, drafts_with_mtp(draft, model_dir)))
     try:
         f = float(budget)
     except ValueError:
@@ -318,11 +324,12 @@ def worker(args) -> dict:
     from shared.blob import Manifest
     from .belady import belady_misses
     from .budget import staging_arena_bytes
+    from .mtp import drafts_with_mtp
 
     peak = PeakRSS()
     mode = args.worker
     manifest = Manifest.load(args.model)
-    cache_bytes = cache_bytes_of(args.budget, manifest.expert_bytes)
+    cache_bytes = cache_bytes_of(args.budget, manifest, args.draft, args.model)
     rate = args.read_rate * 1e6
     result = {"mode": mode}
 
@@ -343,8 +350,8 @@ def worker(args) -> dict:
         from .loader import load_streaming
 
         depth = 0 if mode == "sync" else args.depth
-        model, tokenizer, store = load_streaming(args.model, None, cache_bytes,
-                                                 dtype=mx_dtype(args.dtype))
+        model, tokenizer, store = load_streaming(args.model, None, cache_bytes, dtype=mx_dtype(args.dtype),
+                                                 mtp_cache=drafts_with_mtp(args.draft, args.model))
         store.depth = depth
         if args.read_rate:  # reads are capped: plan prefetch with the cap
             store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
@@ -616,7 +623,7 @@ def main(argv=None) -> int:
 
     try:
         manifest = check_prep_folder(args.model)
-        cache_bytes = cache_bytes_of(args.budget, manifest.expert_bytes)
+        cache_bytes = cache_bytes_of(args.budget, manifest, args.draft, args.model)
         if args.arena:
             parse_size(args.arena)
         bench_draft.check_args(args)

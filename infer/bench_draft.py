@@ -157,9 +157,9 @@ def fresh_source(args, mode, store, arena):
 
 def load_head(args, model, store, manifest):
     """The MTP drafter's head for this mode's model, or None."""
-    from .mtp import has_mtp, load_mtp
+    from .mtp import drafts_with_mtp, load_mtp
 
-    if args.draft not in ("mtp", "auto") or not has_mtp(args.model):
+    if not drafts_with_mtp(args.draft, args.model):
         return None
     if store is not None:
         head = load_mtp(args.model, model, store, manifest)

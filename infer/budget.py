@@ -203,13 +203,21 @@ def _round_up(n, step):
     return -(-n // step) * step
 
 
+def cached_layers(manifest, mtp_cache=False) -> list:
+    """The layouts the expert cache is shared over: the model's own, and an
+    MTP head's only while it drafts (a plain run never calls them; sharing
+    with them gave a fifth of a 4-layer qwen3_next's cache to nothing)."""
+    return [l for l in manifest.layers if mtp_cache or not l.module.startswith("mtp.")]
+
+
 def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2, dtype=None,
-                context=None) -> MemoryPlan:
+                context=None, mtp_cache=False) -> MemoryPlan:
     """The cache size that keeps the session within ``budget``, or ValueError
     naming the minimum budget. ``dtype``: the compute dtype's name (None:
     the folder's own); ``context``: tokens of prompt and generation (KV
     cache; default ``DEFAULT_CONTEXT``); with ``private_daemon`` the budget
-    also holds the daemon the session starts and its staging arena."""
+    also holds the daemon the session starts and its staging arena;
+    ``mtp_cache``: an MTP head drafts, and its layers share the cache."""
     k = top_k(model_dir)
     layouts = manifest.layers
     real = {l.layer: stack_record_bytes(l, dtype) for l in layouts}
@@ -243,12 +251,12 @@ def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2, dtype
     # the stacks hold every expert: no call ever needs a compact stack
     if budget - fixed(PREFILL_STEP, 0) >= sum(l.num_experts * real[l.layer] for l in layouts) \
             - sum(real.values()):
-        return _fill(plan, budget, manifest, real)
+        return _fill(plan, budget, manifest, real, mtp_cache)
     # more tokens per call, as the working share of the budget allows
     experts = min(most, max(k, int(WORKING_SHARE * budget) // (2 * worst)))
     if budget < fixed(max(1, experts // k), experts):
         fixed(1, min(most, k))
-    _fill(plan, budget, manifest, real)
+    _fill(plan, budget, manifest, real, mtp_cache)
     # a step whose experts fit in every stack needs no compact stack: its
     # reserve goes to the cache, and the step grows as far as the stacks allow
     cap = min(plan.capacity.values())
@@ -256,7 +264,7 @@ def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2, dtype
         step = plan.prefill_step
         if budget < fixed(max(step, min(cap // k, PREFILL_STEP)), 0):
             fixed(step, 0)
-        _fill(plan, budget, manifest, real)
+        _fill(plan, budget, manifest, real, mtp_cache)
     return plan
 
 
@@ -266,11 +274,11 @@ def minimum_budget(model_dir, manifest, private_daemon=True, depth=2, dtype=None
     return plan_memory(1 << 50, model_dir, manifest, private_daemon, depth, dtype, context).floor
 
 
-def _fill(plan, budget, manifest, real):
-    """The expert cache gets what is left: the same share for every layer
-    (as ``ExpertStore`` splits it), whole experts at their real size, one
-    position per stack at least (a stack always has one)."""
-    layouts = manifest.layers
+def _fill(plan, budget, manifest, real, mtp_cache=False):
+    """The expert cache gets what is left: the same share for every cached
+    layer (as ``ExpertStore`` splits it), whole experts at their real size,
+    one position per stack at least (a stack always has one)."""
+    layouts = cached_layers(manifest, mtp_cache)
     free = budget - plan.minimum - sum(real.values())
     share = max(0, free) // len(layouts)
     plan.capacity = {l.layer: min(l.num_experts, 1 + share // real[l.layer]) for l in layouts}

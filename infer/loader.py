@@ -10,6 +10,7 @@ from mlx_lm.utils import _get_classes, load_model
 from shared.blob import Manifest, ManifestError
 
 from . import coldstart
+from .budget import cached_layers
 from .predict import Calibration
 from .streaming import ExpertStore, patch_model
 
@@ -52,7 +53,7 @@ def cast_model(model, dtype):
 
 
 def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
-                   preload=True, group=None):
+                   preload=True, group=None, mtp_cache=False):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
@@ -61,16 +62,19 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     the cache starts filled with the experts a calibration text used most.
     ``group``: an ``mx.distributed`` group to pipeline over
     (infer.distributed): the model keeps this rank's layers only, and the
-    store streams their experts only."""
+    store streams their experts only. ``mtp_cache``: an MTP head will draft,
+    so its layers share the expert cache (else they get none of it)."""
     model_dir = Path(model_dir)
     manifest = check_prep_folder(model_dir)
     if group is not None:
         from . import distributed
 
         manifest = distributed.rank_manifest(manifest, model_dir, group)
+    cached = cached_layers(manifest, mtp_cache)
     if cache_bytes is None:
-        cache_bytes = int(manifest.expert_bytes * DEFAULT_CACHE_FRACTION)
-    store = ExpertStore(manifest, source, cache_bytes, calibration=Calibration.load(model_dir))
+        cache_bytes = int(sum(l.stride * l.num_experts for l in cached) * DEFAULT_CACHE_FRACTION)
+    store = ExpertStore(manifest, source, cache_bytes, calibration=Calibration.load(model_dir),
+                        cached=[l.layer for l in cached])
     store.dtype = dtype
     store.set_disk(model_dir)
 

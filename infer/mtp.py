@@ -39,6 +39,12 @@ def has_mtp(model_dir) -> bool:
     return config.get("model_type") == "qwen3_next" and (model_dir / MTP_FILE).exists()
 
 
+def drafts_with_mtp(draft: str, model_dir) -> bool:
+    """Whether ``--draft`` will call the folder's MTP head (mtp, or auto
+    with a head): then its expert layers share the cache."""
+    return draft in ("mtp", "auto") and has_mtp(model_dir)
+
+
 class MTPHead(nn.Module):
     def __init__(self, args, num_layers=1):
         super().__init__()

@@ -158,6 +158,7 @@ def _guarded(args) -> int:
 def _main(args) -> int:
     from . import distributed
     from .loader import PrepFolderError, check_prep_folder
+    from .mtp import drafts_with_mtp
     from .speculative import check_draft
 
     # every check that needs no model comes before loading one
@@ -189,7 +190,8 @@ def _main(args) -> int:
             private = args.iod == "auto" and not shared_daemon_running()
             context = context_tokens(prompt, args.max_tokens, args.system_prompt, args.max_kv_size)
             plan = plan_memory(parse_size(args.mem_budget), args.model, manifest, private,
-                               dtype=args.dtype, context=context)
+                               dtype=args.dtype, context=context,
+                               mtp_cache=drafts_with_mtp(args.draft, args.model))
             cache_bytes = plan.cache_bytes
             if private:
                 client_kw["arena"] = plan.arena_bytes
@@ -252,13 +254,14 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None):
     from .args import mx_dtype
     from .distributed import group
     from .loader import load_streaming
+    from .mtp import drafts_with_mtp
     from .speculative import DraftedStream
 
     dtype = mx_dtype(args.dtype)
     if plan is not None:
         budget.limit_process(plan)
     model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype,
-                                             group=group())
+                                             group=group(), mtp_cache=drafts_with_mtp(args.draft, args.model))
     if plan is not None:
         budget.release_page_cache(args.model)
     profiler = None

@@ -53,6 +53,22 @@ def _dtype(segment, cast=None):
     return cast if cast is not None and mx.issubdtype(dtype, mx.floating) else dtype
 
 
+def _copy_kind(segment, cast, mode):
+    """How a tensor's records reach its stack array: 0, copied as stored
+    (host memory, or cudaMemcpy); 1 / 2, widened from bfloat16 / float16 to
+    float32 by the native copy (host memory; a 16-bit model computed in
+    float32 on a CPU); None, staged through MLX (one array and one scatter,
+    which copies the whole stack array while the module holds it)."""
+    want, have = _dtype(segment, cast), _MX_DTYPES[segment.dtype]
+    if mode == "staged":
+        return None
+    if want == have:
+        return 0
+    if mode == "host" and want == mx.float32 and have in (mx.bfloat16, mx.float16):
+        return 1 if have == mx.bfloat16 else 2
+    return None
+
+
 def copy_mode() -> str:
     """How records reach MLX arrays: "host" on the CPU and Apple silicon,
     where an array's buffer is host memory and records are copied into it in
@@ -99,11 +115,10 @@ class LayerStack:
             a = mx.zeros((max(capacity, 1), *s.shape), _dtype(s, cast))
             self.arrays[(s.projection, s.tensor)] = a
         mx.eval(list(self.arrays.values()))
-        # tensors whose records are copied straight into the arrays' memory
-        # (host, or device by cudaMemcpy), when no cast is needed on the way
+        # how each tensor's records reach its array (_copy_kind): straight
+        # into the array's memory, or staged through MLX
         self.mode = copy_mode()
-        self.in_place = [self.mode != "staged" and _dtype(s, cast) == _MX_DTYPES[s.dtype]
-                         for s in layout.segments]
+        self.kinds = [_copy_kind(s, cast, self.mode) for s in layout.segments]
         # the arrays' addresses: valid while the stack holds them (it never
         # replaces an array it writes in place)
         self._addr = [native.address(a) for a in self.arrays.values()] \
@@ -168,11 +183,12 @@ class LayerStack:
         return places
 
     def copy_in(self, batch, positions):
-        """Copy ``batch``'s records to ``positions``: one native copy for all
-        the tensors whose memory is host memory (and need no cast), one
+        """Copy ``batch``'s records to ``positions``: in host memory one
+        native copy per kind of copy (as stored, or widened to float32); on
+        CUDA one cudaMemcpy batch for the tensors that need no cast; one
         transfer (and cast) and one scatter per other tensor."""
         keys = list(self.arrays)
-        direct = [i for i, ok in enumerate(self.in_place) if ok]
+        direct = [i for i, kind in enumerate(self.kinds) if kind is not None]
         if direct and self.mode == "cuda":
             _pin_for_cuda(batch.buf)
             rows = []
@@ -182,21 +198,23 @@ class LayerStack:
                     rows.append((self._addr[ti] + pos * s.nbytes, src + s.offset, s.nbytes))
             native.cuda_copy(batch.buf, np.array(rows, dtype=np.int64))
         elif direct:
-            rows = []
+            rows = {}  # kind -> rows
             for ti in direct:
-                s = self.layout.segments[ti]
+                s, kind = self.layout.segments[ti], self.kinds[ti]
+                out = s.nbytes * (2 if kind else 1)  # widened: twice the bytes
                 for src, pos in zip(batch.offsets.tolist(), positions):
-                    rows.append((ti, pos * s.nbytes, src + s.offset, s.nbytes))
+                    rows.setdefault(kind, []).append((ti, pos * out, src + s.offset, s.nbytes))
             # views of the tensors' memory for this copy only: none outlives its array
             memory = [memoryview(self.arrays[k]) for k in keys]
             try:
-                native.copy_regions(memory, batch.buf, np.array(rows, dtype=np.int64))
+                for kind, plan in rows.items():
+                    native.copy_regions(memory, batch.buf, np.array(plan, dtype=np.int64), kind)
             finally:
                 for m in memory:
                     m.release()
         if len(direct) < len(keys):
             idx = mx.array(np.array(positions, dtype=np.uint32))
-            rest = [s for s, ok in zip(self.layout.segments, self.in_place) if not ok]
+            rest = [s for s, kind in zip(self.layout.segments, self.kinds) if kind is None]
             for key, arr in staged(self.layout, batch, cast=self.cast, segments=rest).items():
                 self.arrays[key][idx] = arr
 
@@ -229,8 +247,8 @@ class ExpertStore:
 
     ``source`` is a ``shared.source.ExpertSource``: ``infer.client.IodClient``
     (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
-    in this process). ``cache_bytes`` is split evenly over the layers' stacks.
-    With ``depth > 0`` each MoE layer also guesses the experts of the next
+    in this process). ``cache_bytes`` is split evenly over the stacks of
+    the ``cached`` layers (default: all). With ``depth > 0`` each MoE layer also guesses the experts of the next
     ``depth`` layers from its own input, and hints the source to prefetch the
     guesses worth reading (``plan``). The guesses are the next layers'
     routers applied to that input, or with a ``calibration``
@@ -243,11 +261,14 @@ class ExpertStore:
     GATE_DECAY = 0.99  # per scored guess set: the gate follows the last ~100
     CLOCK_DECAY = 0.9  # per decode-sized layer call: the compute time follows the last ~10
 
-    def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None):
+    def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None, cached=None):
         self.manifest = manifest
         self.source = source
         self.cache_bytes = cache_bytes
         self.layouts = {l.layer: l for l in manifest.layers}
+        # the layers the cache is shared over (infer.budget.cached_layers);
+        # any other layer streams each call through a compact stack
+        self.cached = set(self.layouts) if cached is None else set(cached)
         self.stacks = {}
         self.depth = depth
         self.calibration = calibration  # an infer.predict.Calibration, or None
@@ -284,8 +305,8 @@ class ExpertStore:
     def stack(self, layer):
         if layer not in self.stacks:
             layout = self.layouts[layer]
-            share = self.cache_bytes // len(self.layouts)
-            capacity = min(share // layout.record_bytes, layout.num_experts)
+            share = self.cache_bytes // max(len(self.cached), 1)
+            capacity = min(share // layout.record_bytes, layout.num_experts) if layer in self.cached else 0
             self.stacks[layer] = LayerStack(layout, capacity, self.dtype)
         return self.stacks[layer]
 

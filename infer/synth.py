@@ -29,7 +29,7 @@ QUANTS = {
     "affine8": {"group_size": 64, "bits": 8, "mode": "affine"},
     "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
 }
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 SHARD_BYTES = 512 << 20
 
 # Routing calibration (see `infer routing` and docs/format.md).
@@ -514,7 +514,7 @@ def parse(argv):
                     f"per expert, the published names ({', '.join(HF_ARCHS)})")
     ap.add_argument("--quant", default=None, help="affine4 | affine8 | mxfp4 (gpt_oss: mxfp4 only; "
                     "default: affine4, gpt_oss mxfp4; not with --layout hf)")
-    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32, hf: bfloat16)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32, hf: bfloat16)")
     ap.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     ap.add_argument("--force", action="store_true", help="replace a non-empty --out")

@@ -198,12 +198,45 @@ static PyObject *pinned(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(total);
 }
 
-/* copy_regions(dsts, src, plan) -> bytes copied. plan: int64 rows of
- * (dst index, dst offset, src offset, nbytes); one call copies a layer's
- * records into its tensors, without the GIL. */
+/* 16-bit floats widened to float32 on the way (a model stored in bfloat16
+ * or float16, computed in float32 on a CPU): exact, as MLX's astype. */
+static inline uint32_t bf16_to_f32_bits(uint16_t h) { return (uint32_t)h << 16; }
+
+static inline uint32_t f16_to_f32_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1fu) return sign | 0x7f800000u | (man << 13);  /* inf, nan */
+    if (exp != 0) return sign | ((exp + 112u) << 23) | (man << 13);
+    if (man == 0) return sign;  /* zero */
+    exp = 113u;  /* subnormal: normalize */
+    while (!(man & 0x400u)) { man <<= 1; exp--; }
+    return sign | (exp << 23) | ((man & 0x3ffu) << 13);
+}
+
+enum { COPY = 0, BF16_TO_F32 = 1, F16_TO_F32 = 2 };
+
+static void widen(char *dst, const char *src, int64_t n, int kind) {
+    const uint16_t *s = (const uint16_t *)src;
+    uint32_t *d = (uint32_t *)dst;
+    int64_t count = n / 2;
+    if (kind == BF16_TO_F32)
+        for (int64_t i = 0; i < count; i++) d[i] = bf16_to_f32_bits(s[i]);
+    else
+        for (int64_t i = 0; i < count; i++) d[i] = f16_to_f32_bits(s[i]);
+}
+
+/* copy_regions(dsts, src, plan, kind=0) -> source bytes copied. plan: int64
+ * rows of (dst index, dst offset, src offset, nbytes of source); one call
+ * copies a layer's records into its tensors, without the GIL. kind 1 / 2
+ * widens bfloat16 / float16 to float32 (the destination takes 2 * nbytes). */
 static PyObject *copy_regions(PyObject *self, PyObject *args) {
     PyObject *dsts_o, *src_o, *plan_o;
-    if (!PyArg_ParseTuple(args, "OOO", &dsts_o, &src_o, &plan_o)) return NULL;
+    int kind = COPY;
+    if (!PyArg_ParseTuple(args, "OOO|i", &dsts_o, &src_o, &plan_o, &kind)) return NULL;
+    if (kind < COPY || kind > F16_TO_F32) {
+        PyErr_SetString(PyExc_ValueError, "copy_regions: unknown kind");
+        return NULL;
+    }
+    const int64_t scale = kind == COPY ? 1 : 2;
     PyObject *seq = PySequence_Fast(dsts_o, "dsts must be a sequence of buffers");
     if (!seq) return NULL;
     Py_ssize_t nd = PySequence_Fast_GET_SIZE(seq);
@@ -221,8 +254,8 @@ static PyObject *copy_regions(PyObject *self, PyObject *args) {
     Py_ssize_t rows = plan.len / 32;
     for (Py_ssize_t i = 0; i < rows; i++) {
         int64_t di = row[4 * i], doff = row[4 * i + 1], soff = row[4 * i + 2], n = row[4 * i + 3];
-        if (di < 0 || di >= nd || doff < 0 || soff < 0 || n < 0 ||
-            doff + n > d[di].len || soff + n > src.len) {
+        if (di < 0 || di >= nd || doff < 0 || soff < 0 || n < 0 || n % scale ||
+            doff + scale * n > d[di].len || soff + n > src.len) {
             PyErr_SetString(PyExc_ValueError, "copy_regions: region out of range");
             PyBuffer_Release(&plan); PyBuffer_Release(&src);
             goto out;
@@ -231,7 +264,10 @@ static PyObject *copy_regions(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < rows; i++) {
         int64_t di = row[4 * i], doff = row[4 * i + 1], soff = row[4 * i + 2], n = row[4 * i + 3];
-        memcpy((char *)d[di].buf + doff, (const char *)src.buf + soff, (size_t)n);
+        if (kind == COPY)
+            memcpy((char *)d[di].buf + doff, (const char *)src.buf + soff, (size_t)n);
+        else
+            widen((char *)d[di].buf + doff, (const char *)src.buf + soff, n, kind);
         total += n;
     }
     Py_END_ALLOW_THREADS
@@ -457,7 +493,7 @@ static PyMethodDef methods[] = {
     {"pin_ready", pin_ready, METH_VARARGS, "Pin ready records found in the arena's directory."},
     {"unpin", unpin, METH_VARARGS, "Drop one pin per slot of a session's row."},
     {"pinned", pinned, METH_VARARGS, "A slot's pins summed over every row."},
-    {"copy_regions", copy_regions, METH_VARARGS, "memcpy a plan of regions without the GIL."},
+    {"copy_regions", copy_regions, METH_VARARGS, "memcpy (or widen to float32) a plan of regions without the GIL."},
     {"cuda_available", cuda_available, METH_NOARGS, "Whether a CUDA runtime can be loaded."},
     {"cuda_register", cuda_register, METH_VARARGS, "Pin a host mapping for DMA (CUDA)."},
     {"cuda_unregister", cuda_unregister, METH_VARARGS, "Unpin a host mapping (CUDA)."},

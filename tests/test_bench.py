@@ -73,11 +73,16 @@ def test_bench_refuses_bad_arguments(prep_model, tmp_path):
 
 
 def test_budget_argument_is_fraction_or_size():
-    assert cache_bytes_of("0.25", 1000) == 250
-    assert cache_bytes_of("1", 1000) == 1000
-    assert cache_bytes_of("4K", 1000) == 4096
+    from types import SimpleNamespace
+
+    layer = SimpleNamespace(module="model.layers.0.mlp.switch_mlp", stride=100, num_experts=10)
+    mtp = SimpleNamespace(module="mtp.layers.0.mlp.switch_mlp", stride=100, num_experts=10)
+    manifest = SimpleNamespace(layers=[layer, mtp])
+    assert cache_bytes_of("0.25", manifest) == 250  # of the model's own layers: no MTP head drafts
+    assert cache_bytes_of("1", manifest) == 1000
+    assert cache_bytes_of("4K", manifest) == 4096
     with pytest.raises(ValueError):
-        cache_bytes_of("2.0", 1000)
+        cache_bytes_of("2.0", manifest)
 
 
 def test_belady_on_the_textbook_sequence():

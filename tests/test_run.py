@@ -274,9 +274,11 @@ def test_mlx_lm_sampling_flags_give_mlx_lm_samples(synth_model, prep_model, run_
     assert len(set(ref)) > 3  # sampled, not a constant
 
 
-def test_dtype_float32_equals_mlx_lm_converted_to_float32(synth_model, tmp_path, run_dir):
-    """A bfloat16 folder run with dtype float32 gives the ids of stock mlx-lm on
-    the same folder converted with `mlx_lm.convert --dtype float32`."""
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_dtype_float32_equals_mlx_lm_converted_to_float32(stored, synth_model, tmp_path, run_dir):
+    """A 16-bit folder run with dtype float32 gives the ids of stock mlx-lm on
+    the same folder converted with `mlx_lm.convert --dtype float32`; its
+    16-bit expert tensors are widened by the native copy, in place."""
     import mlx.core as mx
     from mlx_lm.convert import convert
     from mlx_lm.generate import generate_step
@@ -285,7 +287,7 @@ def test_dtype_float32_equals_mlx_lm_converted_to_float32(synth_model, tmp_path,
     from infer.loader import load_streaming
     from infer.prep import prep
 
-    src = synth_model("qwen3_moe", dtype="bfloat16", layers=2)
+    src = synth_model("qwen3_moe", dtype=stored, layers=2)
     dst = tmp_path / "prep"
     prep(src, dst, progress=False)
     f32 = tmp_path / "f32"
@@ -300,6 +302,8 @@ def test_dtype_float32_equals_mlx_lm_converted_to_float32(synth_model, tmp_path,
         assert [int(t) for t, _ in generate_step(prompt, model, max_tokens=16)] == expected
         stack = next(iter(store.stacks.values()))
         assert {a.dtype for a in stack.arrays.values()} == {mx.uint32, mx.float32}
+        assert set(stack.kinds) == {0, 1 if stored == "bfloat16" else 2}  # nothing staged
+        assert store.stats["misses"] > sum(s.capacity for s in store.stacks.values())  # it evicted
         assert model.model.embed_tokens.scales.dtype == mx.float32
     finally:
         source.close()

@@ -72,7 +72,7 @@ def nxt(synth_model, prep_model):
     src = synth_model("qwen3_next")
     prep = prep_model("qwen3_next")
     source = CountingSource(prep)
-    model, _, store = load_streaming(prep, source, cache_bytes=1 << 16)
+    model, _, store = load_streaming(prep, source, cache_bytes=1 << 16, mtp_cache=True)
     yield src, prep, model, store, source
     source.close()
 
@@ -664,7 +664,7 @@ def test_trained_mtp_head_is_accepted_and_turns_auto_on(trained_next):
     from shared.blob import Manifest
 
     source = InprocSource(trained_next, arena=64 << 20)
-    model, tok, store = load_streaming(trained_next, source, cache_bytes=None, dtype=mx.float32)
+    model, tok, store = load_streaming(trained_next, source, cache_bytes=None, dtype=mx.float32, mtp_cache=True)
     head = load_mtp(trained_next, model, store, Manifest.load(trained_next))
     p = tok.encode(PROMPTS["pycode"])
     ref = greedy(model, p, 64)

@@ -70,6 +70,59 @@ def test_prediction_is_scored_per_depth(synth_model, prep_model):
     source.close()
 
 
+def test_mtp_layers_share_the_cache_only_when_drafting(prep_model):
+    """A plain run gives an MTP head's expert layers none of the cache (it
+    never calls them); drafting with the head shares it with them. The
+    memory plan splits the same way. Tokens are the same either way."""
+    from infer.budget import plan_memory
+    from shared.blob import Manifest
+
+    prep = prep_model("qwen3_next")
+    manifest = Manifest.load(prep)
+    mtp = {l.layer for l in manifest.layers if l.module.startswith("mtp.")}
+    main = [l for l in manifest.layers if l.layer not in mtp]
+    assert mtp and main
+    cache = manifest.expert_bytes // 4
+    runs = {}
+    for mtp_cache in (False, True):
+        source = InprocSource(prep, arena=64 << 20)
+        model, tok, store = load_streaming(prep, source, cache, mtp_cache=mtp_cache, preload=False)
+        runs[mtp_cache] = greedy(model, tok.encode(PROMPT), n=16), dict(store.stats)
+        shared = len(main) + (len(mtp) if mtp_cache else 0)
+        for l in main:
+            assert store.stack(l.layer).capacity == min(cache // shared // l.record_bytes, l.num_experts)
+        for layer in mtp:
+            assert (store.stack(layer).capacity > 0) == mtp_cache
+        source.close()
+        plan = plan_memory(1 << 40, prep, manifest, mtp_cache=mtp_cache)
+        assert (set(plan.capacity) & mtp != set()) == mtp_cache
+    assert runs[False][0] == runs[True][0]
+    assert runs[False][1]["misses"] < runs[True][1]["misses"]  # the main layers hold more
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_native_copy_widens_every_16_bit_value_as_mlx_does(stored):
+    """copy_regions kind 1 / 2 against MLX's astype(float32), every bit
+    pattern: zeros, subnormals, infinities and NaNs included."""
+    import native
+    import numpy as np
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    dtype = getattr(mx, stored)
+    ref = np.array(mx.array(bits).view(dtype).astype(mx.float32))
+    out = np.full(bits.size + 8, 7.0, dtype=np.float32)  # 8 guard values after the region
+    kind = 1 if stored == "bfloat16" else 2
+    n = native.copy_regions([out], bits.tobytes(), np.array([[0, 0, 0, bits.nbytes]], dtype=np.int64), kind)
+    assert n == bits.nbytes
+    got = out[: bits.size]
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))  # -0.0 too
+    assert (out[bits.size:] == 7.0).all()
+    with pytest.raises(ValueError):  # the widened region must fit its destination
+        native.copy_regions([out], bits.tobytes(), np.array([[0, 64, 0, bits.nbytes]], dtype=np.int64), kind)
+
+
 def _batch(layout, values):
     """A Batch of records whose every uint32 word is the record's value."""
     import numpy as np
