@@ -15,14 +15,17 @@ import functools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 STATUS_ENV = "INFER_RANK_STATUS"  # folder where each local rank leaves its exit status
+RANK_EXIT_S = 30  # after a forwarded signal, how long the ranks have to leave
 _MODULE_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -196,7 +199,6 @@ def _free_ports(n):
 
 def launcher() -> str:
     """The ``mlx.launch`` next to this Python (the venv's), else on PATH."""
-    import shutil
 
     here = Path(sys.executable).parent / "mlx.launch"
     found = str(here) if here.exists() else shutil.which("mlx.launch")
@@ -208,29 +210,59 @@ def launcher() -> str:
 def launch(command, ranks, extra_args=()) -> int:
     """Run ``infer <command> <extra_args>`` as ``ranks`` local ranks through
     ``mlx.launch`` (ring backend over loopback). Returns the worst exit status
-    (mlx.launch itself exits 0 whatever its ranks did, so each leaves its own)."""
+    (mlx.launch itself exits 0 whatever its ranks did, so each leaves its own).
+    SIGINT and SIGTERM go to every rank (mlx.launch and its ranks run in a
+    process group of their own, which a terminal's Ctrl-C would not reach)."""
+    import signal
+
     status = Path(tempfile.mkdtemp(prefix="infer-ranks-"))
     cmd = [launcher(), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
            "--starting-port", str(_free_ports(ranks)), "--env", f"{STATUS_ENV}={status}",
            "--", sys.executable, "-m", "infer.cli", command, *extra_args]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    forwarded = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        launcher_rc = subprocess.run(cmd, stdin=subprocess.DEVNULL).returncode
+        launcher_rc = proc.wait()
+        if forwarded:
+            # mlx.launch died of the signal at once; the ranks may still be
+            # leaving (each writes its status last): their statuses tell
+            launcher_rc = 0 if launcher_rc < 0 else launcher_rc
+            deadline = time.monotonic() + RANK_EXIT_S
+            while time.monotonic() < deadline and not all(
+                    (status / f"rank-{r}").exists() for r in range(ranks)):
+                time.sleep(0.05)
         codes = []
         for r in range(ranks):
             f = status / f"rank-{r}"
             codes.append(int(f.read_text()) if f.exists() else 1)  # killed before its end
         return max(codes + [launcher_rc], key=lambda c: (c != 0, c))
     finally:
-        for f in status.iterdir():
-            f.unlink()
-        status.rmdir()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        shutil.rmtree(status, ignore_errors=True)
 
 
 def leave_status(rc):
     """Record this rank's exit status for ``launch`` (no-op outside it)."""
     folder = os.environ.get(STATUS_ENV)
     if folder and launched():
-        Path(folder, f"rank-{os.environ['MLX_RANK']}").write_text(str(rc))
+        # whole or absent: the launcher may be reading while this rank leaves
+        name = Path(folder, f"rank-{os.environ['MLX_RANK']}")
+        tmp = name.with_suffix(".tmp")
+        try:
+            tmp.write_text(str(rc))
+            os.replace(tmp, name)
+        except OSError:
+            pass  # the launcher is gone (and its folder with it)
 
 
 def quiet_unless_rank0():

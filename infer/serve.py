@@ -5,6 +5,11 @@ not, ``/health``) is mlx-lm's own server, unchanged; its model provider is
 replaced, so that the model is the prep folder's with experts streamed
 through iod, and ``/v1/models`` lists that folder. The server process is one session of the
 daemon: several servers and ``infer run`` processes share its reads.
+
+With ``--ranks N`` (or under ``mlx.launch``) the model is pipelined over the
+ranks as in ``infer run --ranks`` (infer.distributed); mlx-lm's server does
+the rest: rank 0 serves HTTP and shares each request with the other ranks,
+which generate in step with it.
 """
 
 import argparse
@@ -60,6 +65,10 @@ def build_parser():
                    help="prompt tokens per prefill step")
     p.add_argument("--prompt-cache-size", type=positive_int, default=10,
                    help="prompt caches kept for reuse")
+    p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
+                   help="serve as N local ranks through mlx.launch (ring over loopback), the layers "
+                        "split across them, each streaming its own layers' experts; over hosts: "
+                        "mlx.launch --hostfile H -- infer serve ... ('{rank}' in --iod: the rank's number)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging level")
     add_version(p)
@@ -94,9 +103,11 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.reset()
         gc.collect()
         mx.clear_cache()
+        from .distributed import group
+
         model, tokenizer, store = load_streaming(
             model_path, self.source, self.cache_bytes, self._tokenizer_config,
-            dtype=mx_dtype(self.cli_args.dtype))
+            dtype=mx_dtype(self.cli_args.dtype), group=group())
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
@@ -156,8 +167,38 @@ def _stop(signum, frame):
     raise KeyboardInterrupt  # mlx-lm's server loop shuts down on it
 
 
+def _exit_rank(source):
+    """A rank's SIGINT/SIGTERM: leave at once. Its generation thread may be
+    waiting in a collective on ranks that are already gone, so mlx-lm's
+    orderly stop (join that thread) could wait forever."""
+
+    def handler(signum, frame):
+        from . import distributed
+
+        try:
+            source.close()
+        except Exception:  # noqa: BLE001 - leaving anyway; the daemon reclaims a dead session
+            pass
+        distributed.leave_status(0)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return handler
+
+
 def main(argv=None) -> int:
+    from .distributed import leave_status
+
+    rc = _main(argv)
+    leave_status(rc)  # under --ranks: this rank's status, for the launcher
+    return rc
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from . import distributed
     from .budget import top_k
     from .client import IodClient, IodError
     from .run import cache_bytes_for
@@ -166,6 +207,18 @@ def main(argv=None) -> int:
                         format="%(asctime)s - %(levelname)s - %(message)s")
     try:
         manifest = check_prep_folder(args.model)
+        if args.ranks > 1 or distributed.launched():
+            distributed.check_pipelined(args.model)
+    except (PrepFolderError, ValueError) as e:
+        print(f"infer serve: {e}", file=sys.stderr)
+        return 2
+    if args.ranks > 1 and not distributed.launched():
+        return distributed.launch("serve", args.ranks, sys.argv[1:] if argv is None else list(argv))
+    g = distributed.group()
+    try:
+        if g is not None:
+            manifest = distributed.rank_manifest(manifest, args.model, g)
+            args.iod = args.iod.replace("{rank}", str(g.rank()))  # a daemon per rank
         cache_bytes = None
         if args.mem_budget is not None:
             cache_bytes = cache_bytes_for(parse_size(args.mem_budget), args.model, manifest)
@@ -176,24 +229,38 @@ def main(argv=None) -> int:
 
     cli_args = argparse.Namespace(**vars(args), **_FIXED)
     cli_args.model = str(Path(args.model).resolve())
+    cli_args.pipeline = g is not None  # mlx-lm's provider: a pipeline group, not tensor parallel
     provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model)
-    signal.signal(signal.SIGTERM, _stop)
+    if g is not None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, _exit_rank(source))
+    else:
+        signal.signal(signal.SIGTERM, _stop)
     generator = mlx_server.ResponseGenerator(
         provider, mlx_server.LRUPromptCache(args.prompt_cache_size))
+    if g is not None and g.rank() != 0:
+        generator.join()  # requests come from rank 0; a signal ends this rank
+        return 1  # the generation thread ended on its own: it failed
     try:
         # mlx-lm's server loop; on SIGINT/SIGTERM it stops the generation thread
         mlx_server._run_http_server(args.host, args.port, generator,
                                     server_class=_server_class(args.host),
                                     handler_class=_handler_class(cli_args.model, args.model))
     except OSError as e:  # the address cannot be bound
-        generator.stop_and_join()
         print(f"infer serve: {e}", file=sys.stderr)
+        if g is not None:  # the generation thread waits on the other ranks: leave at once
+            source.close()
+            distributed.leave_status(2)
+            sys.stderr.flush()
+            os._exit(2)
+        generator.stop_and_join()
         return 2
     finally:
         source.close()
     # Everything is closed; skip the interpreter's teardown, where MLX's
     # stream threads sometimes abort the process ("terminate called without
     # an active exception", about one SIGTERM in four here)
+    distributed.leave_status(0)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

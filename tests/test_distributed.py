@@ -162,3 +162,48 @@ def test_a_rank_streams_only_its_own_layers(prep_model):
     assert got == {0: [2, 3], 1: [0, 1]}  # rank size-1 runs the first layers
     three = {r: layer_range(5, SimpleNamespace(rank=lambda r=r: r, size=lambda: 3)) for r in range(3)}
     assert three == {2: (0, 1), 1: (1, 3), 0: (3, 5)}  # the low ranks take the extra layers
+
+
+def test_serve_with_two_ranks_answers_like_mlx_lm(synth_model, prep_model, run_dir):
+    """`infer serve --ranks 2`: rank 0 serves HTTP, both ranks generate (each
+    streams its own layers through the shared daemon); the completion is
+    mlx-lm's greedy text, and SIGTERM ends every rank."""
+    import signal
+    import subprocess
+    import time
+
+    import openai
+    from mlx_lm import generate as mlx_generate
+    from mlx_lm import load as mlx_load
+
+    from tests.iod_fixtures import LiveDaemon
+    from tests.test_serve import start_server
+
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    model, tokenizer = mlx_load(str(src))
+    expected = mlx_generate(model, tokenizer, tokenizer.encode(PROMPT), max_tokens=12)
+    env = dict(os.environ, IOD_RUN_DIR=str(run_dir))
+    daemon = LiveDaemon(run_dir, env=env)
+    proc, hostport = start_server(prep, daemon.socket, env, "--ranks", "2")
+    try:
+        client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=240,
+                               max_retries=0)
+        for _ in range(2):  # the second request reuses the loaded pipeline
+            r = client.completions.create(model="default_model", prompt=PROMPT, max_tokens=12,
+                                          temperature=0.0)
+            assert r.choices[0].text == expected
+        from infer.client import IodClient
+
+        with IodClient(prep, iod=str(daemon.socket)) as probe:
+            ranks = {x["pid"] for x in probe.stats()["sessions"]} - {os.getpid()}
+        assert len(ranks) == 2  # one session per rank, on the one daemon
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        time.sleep(0.5)
+        left = subprocess.run(["pgrep", "-f", f"infer.cli serve --model {prep}"], capture_output=True, text=True)
+        assert left.stdout.strip() == "", left.stdout  # no rank left behind
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        daemon.stop()
