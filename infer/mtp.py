@@ -149,10 +149,14 @@ class MTPDrafter:
     positions whose next token is now committed, and those next tokens; the
     pairs are fed to the head lazily, at the next ``propose``. Draft steps
     after the first feed the head its own output, and are trimmed from its
-    KV cache at the next ``propose``.
+    KV cache at the next ``propose``. At most ``MAX_BACKLOG`` positions wait:
+    beyond that (plain decoding under ``--draft auto``, which proposes only
+    now and then) the oldest are dropped and the head starts a fresh cache,
+    so a proposal never costs a pass over everything since the prefill.
     """
 
     needs_hidden = True
+    MAX_BACKLOG = 8
 
     def __init__(self, head, model):
         self.head = head
@@ -173,6 +177,18 @@ class MTPDrafter:
 
     def observe(self, hidden, tokens):
         self.pending.append((hidden, [int(t) for t in tokens]))
+        if self.backlog > self.MAX_BACKLOG and len(self.pending) > 1:
+            # a gap in the head's context: restart it on the recent positions
+            while self.backlog > self.MAX_BACKLOG and len(self.pending) > 1:
+                self.pending.pop(0)
+            self.cache = [KVCache() for _ in self.head.layers]
+            self.speculative = 0
+            self.last = None
+
+    @property
+    def backlog(self) -> int:
+        """Positions observed and not yet fed to the head."""
+        return sum(len(ts) for _, ts in self.pending)
 
     def propose(self, k):
         """Up to ``k`` draft tokens, as ints (one host sync for all)."""

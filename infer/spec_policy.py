@@ -93,7 +93,9 @@ class AutoPolicy:
 
     def shadow_k(self, name):
         """Drafts to propose in shadow now (0: none): K for n-gram at every
-        step, one for a costly drafter while its share of the time allows."""
+        step, one for a costly drafter while its share of the time allows
+        (the MTP head's catch-up before a proposal is bounded by its
+        ``MAX_BACKLOG``, so one proposal's cost stays near the estimate)."""
         if name not in self.costly:
             return 0  # a drafter this policy does not judge
         if not self.costly[name]:

@@ -318,9 +318,14 @@ class SpecStats:
     no_rollback_passes: int = 0  # passes not drafted: a cache could not roll back
     drafting: bool = True  # whether the last pass drafted
     union: list = field(default_factory=lambda: [0, 0, 0])  # see Wavefront.union
-    auto: dict = field(default_factory=dict)  # AutoPolicy.summary() of --draft auto
+    policy: object = None  # the AutoPolicy of --draft auto
     store_start: dict = field(default_factory=dict)  # the store's stats after the prefill
     store_end: dict = field(default_factory=dict)
+
+    @property
+    def auto(self) -> dict:
+        """AutoPolicy.summary() of --draft auto (made when asked: it is not free)."""
+        return self.policy.summary() if self.policy is not None else {}
 
     @property
     def auto_log(self):
@@ -521,8 +526,7 @@ class _Decoder:
             stats.store_end = _store_stats(self.store)
             stats.union = [a + b for a, b in zip(self.wave.union if self.wave else (0, 0, 0),
                                                  self.union)]
-            if self.policy is not None:
-                stats.auto = self.policy.summary()
+            stats.policy = self.policy
             for t in new:
                 yield t, stats
             if stop:

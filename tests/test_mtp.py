@@ -103,3 +103,24 @@ def test_norm_convention():
     assert _hf_norms({}, {"format": "pt"})
     assert _hf_norms({}, {})
     assert not _hf_norms({}, {"norms": "mlx", "format": "pt"})
+
+
+def test_drafter_backlog_is_bounded(nxt):
+    """Positions observed without a proposal (plain decoding under --draft
+    auto) wait up to MAX_BACKLOG; beyond, the head restarts on the recent
+    ones: a proposal then equals a fresh head's over just those."""
+    _, model, _, _, head = nxt
+    H = model.args.hidden_size
+    n = MTPDrafter.MAX_BACKLOG
+    hs = mx.random.normal((1, 3 * n, H), key=mx.random.key(3))
+    toks = list(range(20, 20 + 3 * n))
+    d = MTPDrafter(head, model)
+    d.observe(hs[:, :2], toks[:2])
+    d.propose(1)  # the head has seen two positions
+    for i in range(2, 3 * n):  # then one position a step, never proposing
+        d.observe(hs[:, i : i + 1], toks[i : i + 1])
+        assert d.backlog <= n
+    assert d.backlog == n and d.cache[0].offset == 0  # restarted
+    ref = MTPDrafter(head, model)
+    ref.observe(hs[:, -n:], toks[-n:])
+    assert d.propose(2) == ref.propose(2)
