@@ -65,6 +65,10 @@ def build_parser():
     add_dtype(p)
     p.add_argument("--arena", default=None,
                    help="arena of the benchmark's daemons (default: a staging area, see budget.py)")
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
+                   help="run the streaming modes as N local ranks through mlx.launch (the layers "
+                        "split across them, a fractional --budget of each rank's own experts, a size "
+                        "per rank); resident stays one process")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--iod", default=None, help=argparse.SUPPRESS)
@@ -326,9 +330,14 @@ def worker(args) -> dict:
     from .budget import staging_arena_bytes
     from .mtp import drafts_with_mtp
 
+    from . import distributed
+
     peak = PeakRSS()
     mode = args.worker
     manifest = Manifest.load(args.model)
+    g = distributed.group() if mode != "resident" else None
+    if g is not None:  # a rank: its own layers, its own budget
+        manifest = distributed.rank_manifest(manifest, args.model, g)
     cache_bytes = cache_bytes_of(args.budget, manifest, args.draft, args.model)
     rate = args.read_rate * 1e6
     result = {"mode": mode}
@@ -351,7 +360,7 @@ def worker(args) -> dict:
 
         depth = 0 if mode == "sync" else args.depth
         model, tokenizer, store = load_streaming(args.model, None, cache_bytes, dtype=mx_dtype(args.dtype),
-                                                 mtp_cache=drafts_with_mtp(args.draft, args.model))
+                                                 mtp_cache=drafts_with_mtp(args.draft, args.model), group=g)
         store.depth = depth
         if args.read_rate:  # reads are capped: plan prefetch with the cap
             store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
@@ -435,6 +444,9 @@ def worker(args) -> dict:
             result["draft"] = bench_draft.measure(args, mode, model, tokenizer, None, manifest, arena)
         return result
     capacity = {l: s.capacity for l, s in store.stacks.items()}
+    if g is not None:
+        layers = sorted(l.layer for l in manifest.layers)
+        result.update({"rank": g.rank(), "moe_layers": [layers[0], layers[-1] + 1] if layers else []})
     total = last["hits"] + last["misses"]
     pred = last["prediction"]
     result.update({
@@ -443,6 +455,7 @@ def worker(args) -> dict:
         "stall_fraction": med(r["stall_s"] / r["decode_s"] for r in runs),
         "stall_fraction_runs": [r["stall_s"] / r["decode_s"] for r in runs],
         "hit_rate": last["hits"] / total if total else 1.0,
+        "hits": last["hits"],
         "misses": last["misses"],
         # Belady from a cold cache: not a bound for a run that starts warm
         "belady_misses": None if args.warm else belady_misses(last["trace"], capacity),
@@ -493,10 +506,63 @@ def _worker_argv(args, mode, out, extra=()):
 
 def run_mode(args, mode, tmp, tag="") -> dict:
     out = Path(tmp) / f"{mode}{tag}.json"
+    if args.ranks > 1 and mode != "resident":
+        return run_ranks(args, mode, out)
     p = subprocess.run(_worker_argv(args, mode, out), capture_output=True, text=True)
     if p.returncode != 0 or not out.exists():
         raise RuntimeError(f"mode {mode} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def _rank_out(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.stem}.rank{rank}.json")
+
+
+def run_ranks(args, mode, out) -> dict:
+    """One run of a streaming mode as ``args.ranks`` ranks (mlx.launch), each
+    writing its own figures; merged by ``merge_ranks``."""
+    from . import distributed
+
+    rc = distributed.launch("bench", args.ranks, _worker_argv(args, mode, out)[3:])
+    outs = [_rank_out(out, r) for r in range(args.ranks)]
+    if rc != 0 or not all(o.exists() for o in outs):
+        raise RuntimeError(f"mode {mode} failed as {args.ranks} ranks ({rc})")
+    return merge_ranks([json.loads(o.read_text()) for o in outs])
+
+
+SUMMED = ("misses", "belady_misses", "decode_misses", "bytes_read_per_token", "stall_s_per_token",
+          "prefetched_bytes", "prefetch_unused_bytes", "trace_calls", "cache_bytes",
+          "disk_bytes_read", "disk_bytes_read_per_token")
+
+
+def merge_ranks(ranks) -> dict:
+    """A pipeline's figures from its ranks' (each over its own layers): the
+    timings and tokens of rank 0 (every rank decodes the same tokens at the
+    same pace), reads, misses and stalls summed (a token waits for each
+    rank's stalls in turn), the largest peak memory of a rank, and every
+    rank's own figures under ``ranks``."""
+    first = min(ranks, key=lambda r: r["rank"])
+    if any(r["tokens"] != first["tokens"] for r in ranks):
+        raise RuntimeError(f"mode {first['mode']}: the ranks decoded different tokens")
+    out = dict(first)
+    for key in SUMMED:
+        if all(r.get(key) is not None for r in ranks):
+            out[key] = sum(r[key] for r in ranks)
+    for key in ("stall_fraction", "stall_fraction_runs"):
+        vals = [r[key] for r in ranks]
+        out[key] = [sum(v) for v in zip(*vals)] if key.endswith("_runs") else sum(vals)
+    hits = sum(r["hits"] for r in ranks)
+    out["hits"] = hits
+    out["hit_rate"] = hits / (hits + out["misses"]) if hits + out["misses"] else 1.0
+    for key in ("peak_rss_infer", "peak_rss_iod"):
+        out[key] = max(r[key] for r in ranks)
+    out["ranks"] = [{k: r.get(k) for k in ("rank", "moe_layers", "misses", "belady_misses",
+                                           "bytes_read_per_token", "stall_fraction", "hit_rate",
+                                           "recall", "precision", "peak_rss_infer", "peak_rss_iod")}
+                    for r in sorted(ranks, key=lambda r: r["rank"])]
+    out.pop("rank", None)
+    out.pop("moe_layers", None)
+    return out
 
 
 def merge_runs(runs) -> dict:
@@ -615,8 +681,12 @@ def table(report) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
+        from . import distributed
+
         res = worker(args)
-        args.out.write_text(json.dumps(res))
+        out = _rank_out(args.out, res["rank"]) if "rank" in res else args.out
+        out.write_text(json.dumps(res))
+        distributed.leave_status(0)
         return 0
 
     from .loader import PrepFolderError, check_prep_folder
@@ -627,6 +697,14 @@ def main(argv=None) -> int:
         if args.arena:
             parse_size(args.arena)
         bench_draft.check_args(args)
+        if args.ranks < 1:
+            raise ValueError("--ranks must be at least 1")
+        if args.ranks > 1:
+            from .distributed import check_pipelined
+
+            check_pipelined(args.model)
+            if args.draft != "none" or args.sessions:
+                raise ValueError("--ranks works without --draft and --sessions")
     except (PrepFolderError, ValueError) as e:
         print(f"infer bench: {e}", file=sys.stderr)
         return 2

@@ -207,3 +207,30 @@ def test_serve_with_two_ranks_answers_like_mlx_lm(synth_model, prep_model, run_d
             proc.kill()
             proc.wait()
         daemon.stop()
+
+
+def test_bench_with_two_ranks(prep_model, tmp_path, run_dir):
+    """`infer bench --ranks 2`: the streaming modes run as two ranks (each
+    over its own layers), resident as one process; the tokens are equal and
+    the mode's misses are the ranks' sums."""
+    import subprocess
+    import sys
+
+    prep = prep_model("qwen3_moe")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep), "--modes",
+                        "resident,sync,iod", "--ranks", "2", "--runs", "1", "--max-tokens", "8",
+                        "--dtype", "float32", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["tokens_equal"]
+    manifest = Manifest.load(prep)
+    for mode in ("sync", "iod"):
+        m = report["modes"][mode]
+        ranks = m["ranks"]
+        assert [x["rank"] for x in ranks] == [0, 1]
+        assert m["misses"] == sum(x["misses"] for x in ranks) and all(x["misses"] > 0 for x in ranks)
+        own = [l.layer for x in ranks for l in _rank_layers(manifest, x["moe_layers"])]
+        assert sorted(own) == sorted(l.layer for l in manifest.layers)  # each layer on one rank
+    assert "ranks" not in report["modes"]["resident"]

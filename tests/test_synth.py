@@ -157,7 +157,7 @@ def test_mtp_parts_joined_into_one_file(tmp_path, monkeypatch, synth_model):
         (["--arch", "qwen3_moe", "--preset", "huge"], "unknown preset"),
         (["--arch", "gpt_oss", "--preset", "tiny", "--quant", "affine4"], "mxfp4 only"),
         (["--arch", "qwen3_moe", "--preset", "tiny", "--quant", "affine3"], "unknown quantization"),
-        (["--arch", "qwen3_moe", "--preset", "tiny", "--dtype", "float16"], "unknown dtype"),
+        (["--arch", "qwen3_moe", "--preset", "tiny", "--dtype", "int8"], "unknown dtype"),
         (["--arch", "mixtral", "--preset", "qwen3-30b-a3b"], "is a qwen3_moe model"),
         (["--preset", "tiny"], "--arch is required"),
         (["--arch", "qwen3_next", "--preset", "tiny", "--layers", "2"], "needs --layers >= 4"),
