@@ -133,7 +133,11 @@ def merge_stats(stats, manifest, g):
     import mlx.core as mx
 
     # the generation's last transfers run on mlx-lm's own stream: finish them,
-    # so that this all_gather is not interleaved with them on the wire
+    # so that this all_gather is not interleaved with them on the wire (a
+    # bare mx.synchronize() waits for the default stream only)
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
     mx.synchronize()
     layers = sorted(l.layer for l in manifest.layers)
     mine = {**stats, "stall_us": int(stats["stall_s"] * 1e6),
