@@ -28,11 +28,13 @@ drafting would pay even if a verify pass cost one plain step; a further K is
 probed only where the cost fitted on the first says it would pay; drafting
 itself needs two measurements of its K; and a probe runs only if what probes
 lost, this probe's loss included should it accept nothing, stays under
-``LOSS_FRACTION`` of the decode time (plus one step). So
-where nothing is accepted (no repetition for the n-gram drafter, an
+``LOSS_FRACTION`` of the generation's decode time (its planned tokens at the
+measured step time, or the time so far if longer: a short generation has
+too little left to win back what a probe loses). So where nothing is accepted (no repetition for the n-gram drafter, an
 untrained MTP head) auto costs the shadow lookups only, and where the verify
 costs too much (K+1 one-token passes on a CPU) it costs one probe of one
-draft per ``FRESH`` tokens. While drafting, each pass re-measures T(k) and
+draft per ``FRESH`` tokens, and none in a generation shorter than about
+1 / ``LOSS_FRACTION`` tokens. While drafting, each pass re-measures T(k) and
 the acceptance, and the plain step time is re-measured every ``T1_FRESH``
 tokens.
 """
@@ -45,7 +47,7 @@ class AutoPolicy:
     WINDOW = 48  # recent proposals per drafter the acceptance is taken from
     MIN_PROPOSALS = 6  # before a drafter is judged
     MARGIN = 0.05  # predicted speedup must exceed 1 + MARGIN to draft
-    LOSS_FRACTION = 0.01  # of the decode time, what probes may lose
+    LOSS_FRACTION = 0.01  # of the generation's decode time, what probes may lose
     SHADOW_FRACTION = 0.01  # of the decode time, what costly shadow proposals may take
     SHADOW_PRIOR = 0.25  # a costly drafter's step, in plain steps, until measured
     FRESH = 256  # committed tokens a verify-cost measurement stays valid
@@ -72,6 +74,7 @@ class AutoPolicy:
         self.probe_loss = 0.0
         self.state = ("plain",)
         self.last_t1_at = 0
+        self.planned = 0  # tokens this generation may commit (committed + remaining)
         self.log = []
 
     # -- what the decoder reports ----------------------------------------------
@@ -107,14 +110,17 @@ class AutoPolicy:
         est = cost if cost is not None else self.SHADOW_PRIOR * t1
         return 1 if self.shadow_s + est <= self.SHADOW_FRACTION * self.decode_s else 0
 
-    def shadow(self, name, proposal, seconds, asked=None):
+    def shadow(self, name, proposal, seconds, asked=None, start=None):
+        """A shadow proposal made when ``start`` tokens were committed (default:
+        now; an MTP head's proposal is read a step after it is made)."""
         if name not in self.costly:
             return
         asked = len(proposal) if asked is None else asked
+        start = len(self.history) if start is None else start
         self.shadow_s += seconds
         self._draft_time(name, seconds, len(proposal))
         if proposal:
-            self.pending.append((name, len(self.history), asked, [int(t) for t in proposal]))
+            self.pending.append((name, start, asked, [int(t) for t in proposal]))
         else:
             self.outcomes[name].append((asked, 0, 0))
 
@@ -204,6 +210,7 @@ class AutoPolicy:
 
     def next(self, remaining):
         """What to do next: ("plain", steps) or ("draft", name, K, probe)."""
+        self.planned = len(self.history) + remaining
         t1 = self.plain_time()
         drafting = self.state[0] in ("draft", "probe")
         if t1 is None or len(self.t1) < 2:
@@ -253,7 +260,12 @@ class AutoPolicy:
             ratio = 1.0 + self.prior_beta * K
         c = (self.draft_cost(name) or 0.0) / t1 if t1 else 0.0
         worst = max(ratio + c * K - 1.0, 0.0) * t1
-        return self.probe_loss + worst <= self.LOSS_FRACTION * self.decode_s + t1 + 1e-12
+        return self.probe_loss + worst <= self.loss_budget() + 1e-12
+
+    def loss_budget(self):
+        """Seconds the probes of this generation may lose."""
+        t1 = self.plain_time() or 0.0
+        return self.LOSS_FRACTION * max(self.decode_s, t1 * self.planned)
 
     def _plain(self, remaining, n=None):
         if self.state[0] != "plain":

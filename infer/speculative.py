@@ -466,6 +466,9 @@ class _Decoder:
         # a chunk so the pipeline does not drain at every decision of auto;
         # taken back if the next pass drafts
         self.ahead = None
+        # auto's shadow proposals of an MTP head, queued and not read yet:
+        # (drafter, drafts, asked, tokens committed then, seconds to build)
+        self.shadows = []
 
     def observe(self, hidden, tokens):
         for d in self.drafters.values():
@@ -548,15 +551,40 @@ class _Decoder:
             self.pre = []
 
     def _shadow(self):
-        """Shadow proposals of auto's drafters at this position."""
+        """Shadow proposals of auto's drafters at this position. An MTP head's
+        is queued behind the step in flight and read at the next step, so it
+        costs the head's compute, not a drained pipeline."""
+        self._read_shadows()
         for name, d in self.drafters.items():
             k = self.policy.shadow_k(name)
-            if k:
-                t0 = time.perf_counter()
+            if not k:
+                continue
+            t0 = time.perf_counter()
+            if d.needs_hidden:
+                drafts = d.propose_lazy(k)
+                mx.async_eval(drafts)
+                start = len(self.policy.history)
+                self.shadows.append((name, drafts, k, start, time.perf_counter() - t0))
+            else:
                 prop = [int(t) for t in d.propose(k)]
                 dt = time.perf_counter() - t0
                 self.policy.shadow(name, prop, dt, asked=k)
                 self.stats.draft_s += dt
+
+    def _read_shadows(self):
+        """Reads the queued shadow proposals; returns the seconds they cost:
+        building their graphs and waiting for their compute, which runs after
+        the step that was in flight when they were queued."""
+        total = 0.0
+        for name, drafts, k, start, build_s in self.shadows:
+            t0 = time.perf_counter()
+            prop = [int(t) for t in drafts.tolist()]
+            dt = build_s + time.perf_counter() - t0
+            self.policy.shadow(name, prop, dt, asked=k, start=start)
+            self.stats.draft_s += dt
+            total += dt
+        self.shadows = []
+        return total
 
     def plain(self, n):
         """Up to ``n`` one-token steps, pipelined as in mlx-lm's generate_step
@@ -682,6 +710,7 @@ class _Decoder:
         stats, forward, cache = self.stats, self.forward, self.cache
         drafter = self.drafters[name]
         t0 = time.perf_counter()
+        shadow_s = self._read_shadows()
         self._take_back_ahead()
         k = min(k, self.max_tokens - stats.committed - 1)
         if k and not can_roll_back(cache, k + 1):
@@ -750,10 +779,10 @@ class _Decoder:
         stats.decode_s += dt
         if self.policy is not None:
             if drafts:
-                self.policy.draft_pass(name, len(drafts), a, dt - draft_s, draft_s, len(new), probe,
-                                       asked=k)
+                self.policy.draft_pass(name, len(drafts), a, dt - draft_s - shadow_s, draft_s,
+                                       len(new), probe, asked=k)
             else:
-                self.policy.other(dt)
+                self.policy.other(dt - shadow_s)
         return new, stop
 
 
