@@ -14,7 +14,8 @@ them into
   one track per process and thread;
 - ``latency.png``: a CDF per hop;
 - ``summary.json`` / ``summary.md``: p50/p90/p99 per hop, stall time per
-  layer, bytes per token.
+  layer, bytes per token, and the rate at which bursts of demand reads
+  (one layer's misses) came off the disk, against `iod doctor`'s ceiling.
 
 The daemon's stamps do not say which reader thread read a record, so disk
 reads are drawn on "lanes": overlapping reads go to different lanes, which
@@ -97,8 +98,9 @@ class Profiler:
     ``token``, and ``write`` produces the files.
     """
 
-    def __init__(self, client=None):
+    def __init__(self, client=None, disk_ceiling=None):
         self.client = client
+        self.disk_ceiling = disk_ceiling  # bytes/s, iod doctor's; None if unprofiled
         self.spans = []  # (kind, layer, t0 ns, t1 ns, n)
         self.tokens = []  # ns at which each token came out
         self.copies = []  # (layer, t ns, bytes)
@@ -136,7 +138,8 @@ class Profiler:
         events = trace_events(self.records, self.spans, self.tokens, os.getpid(), daemon_pid)
         (folder / "trace.json").write_text(json.dumps({"traceEvents": events,
                                                        "displayTimeUnit": "ms"}))
-        summary = summarize(self.records, self.spans, self.tokens, self.copies, meta)
+        summary = summarize(self.records, self.spans, self.tokens, self.copies, meta,
+                            self.disk_ceiling)
         (folder / "summary.json").write_text(json.dumps(summary, indent=1))
         (folder / "summary.md").write_text(summary_markdown(summary))
         plot_cdf(hop_samples(self.records), folder / "latency.png", kind_samples(self.records))
@@ -277,7 +280,35 @@ def kind_samples(records) -> dict:
     return dict(sorted(by_kind.items()))
 
 
-def summarize(records, spans, tokens, copies, meta) -> dict:
+def demand_bursts(records) -> list:
+    """(bytes, seconds) of each demand that read two records or more from
+    disk: from its first read's start to its last read's end."""
+    groups = {}
+    for r in records:
+        if r["kind"] != "hit" and r.get("read_start") and r.get("read_end") and r.get("client_send"):
+            groups.setdefault((r["layer"], r["client_send"]), []).append(r)
+    out = []
+    for g in groups.values():
+        t0, t1 = min(r["read_start"] for r in g), max(r["read_end"] for r in g)
+        if len(g) >= 2 and t1 > t0:
+            out.append((sum(r["size"] for r in g), (t1 - t0) / 1e9))
+    return out
+
+
+def burst_summary(bursts, ceiling=None) -> dict:
+    """The bursts' rates (MB/s: percentiles, and all bytes over all their
+    seconds) and that rate over the disk's ceiling when it is known."""
+    out = {"n": len(bursts), "MBps": percentiles(b / s / 1e6 for b, s in bursts),
+           "overall_MBps": None, "ceiling_MBps": ceiling / 1e6 if ceiling else None,
+           "of_ceiling": None}
+    if bursts:
+        out["overall_MBps"] = sum(b for b, _ in bursts) / sum(s for _, s in bursts) / 1e6
+        if ceiling:
+            out["of_ceiling"] = out["overall_MBps"] * 1e6 / ceiling
+    return out
+
+
+def summarize(records, spans, tokens, copies, meta, disk_ceiling=None) -> dict:
     hops = {h: percentiles(v) for h, v in hop_samples(records).items()}
     by_kind = kind_samples(records)
     per_layer = {}
@@ -306,6 +337,7 @@ def summarize(records, spans, tokens, copies, meta) -> dict:
         "bytes_copied": copied,
         "bytes_per_token": copied / n_tokens if n_tokens else None,
         "decode_bytes_per_token": decode / (n_tokens - 1) if n_tokens > 1 else None,
+        "demand_bursts": burst_summary(demand_bursts(records), disk_ceiling),
     }
     if n_tokens > 1:
         gaps = np.diff(np.asarray(tokens, dtype=np.float64)) / 1e6
@@ -352,6 +384,14 @@ def summary_markdown(s) -> str:
     if s.get("token_ms"):
         t = s["token_ms"]
         lines.append(f"- time between tokens: p50 {_f(t['p50'], 2)} ms, p99 {_f(t['p99'], 2)} ms")
+    b = s.get("demand_bursts") or {}
+    if b.get("n"):
+        ceiling = (f", {b['of_ceiling']:.2f}× the `iod doctor` ceiling of {b['ceiling_MBps']:.0f} MB/s"
+                   if b.get("of_ceiling") else " (no `iod doctor` profile for this disk)")
+        lines += ["", "## Bursts of demand reads", "",
+                  f"{b['n']} demands read two records or more: {b['overall_MBps']:.0f} MB/s over "
+                  f"all of them, first read's start to last read's end{ceiling}; per burst "
+                  f"p50 {_f(b['MBps']['p50'], 0)}, p90 {_f(b['MBps']['p90'], 0)} MB/s."]
     return "\n".join(lines) + "\n"
 
 
@@ -388,5 +428,5 @@ def plot_cdf(samples, path, by_kind=None):
 def attach(store, client) -> Profiler:
     """Profile ``store``'s layers and ``client``'s requests from now on."""
     client.profile = True
-    store.profiler = Profiler(client)
+    store.profiler = Profiler(client, getattr(store, "disk_ceiling", None))
     return store.profiler

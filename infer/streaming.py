@@ -281,6 +281,7 @@ class ExpertStore:
         # bytes/s the source reads at: set from the `iod doctor` profile
         # (set_disk) or by the caller; else measured on demand reads
         self.disk_rate = None
+        self.disk_ceiling = None  # iod doctor's best rate for that disk (bytes/s)
         self.layer_s = None  # decayed compute time per MoE layer (decode-sized calls)
         self._recent = {}  # layer -> the experts of its last decode-sized call
         self.reset_stats()
@@ -323,6 +324,7 @@ class ExpertStore:
         layout = next(iter(self.layouts.values()), None)
         prof = disk.for_path(Path(folder) / layout.file) if layout is not None else None
         self.disk_rate = prof.rate(prof.knee) if prof is not None else None
+        self.disk_ceiling = prof.ceiling if prof is not None else None
         return self.disk_rate
 
     def predict(self, layer, x):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.profile import HOPS, lanes, percentiles, summarize, trace_events
+from infer.profile import HOPS, demand_bursts, lanes, percentiles, summarize, trace_events
 from tests.iod_fixtures import short_dir
 
 PHASES = set("BEXIiCbnesftPOND(M)") - set("()")
@@ -172,6 +172,28 @@ def test_summary_hops_are_exact_on_known_timings():
     assert s["records_by_kind"] == {"arena_hit": 5, "demand_hit": 10, "demand_read": 10}
 
 
+def test_demand_bursts_rate_on_known_reads():
+    ms, MB = 1_000_000, 1_000_000
+
+    def read(layer, send, t0, t1, size, kind="demand"):
+        return {"kind": kind, "layer": layer, "expert": t0, "size": size, "client_send": send,
+                "queued": t0, "read_start": t0, "read_end": t1}
+
+    recs = [read(0, 1, 1 * ms, 3 * ms, MB), read(0, 1, 1 * ms, 3 * ms, MB),
+            read(0, 1, 2 * ms, 4 * ms, MB),  # 3 MB in 3 ms
+            read(1, 2, 10 * ms, 12 * ms, 2 * MB), read(1, 2, 10 * ms, 12 * ms, 2 * MB),  # 4 MB in 2 ms
+            read(0, 3, 20 * ms, 21 * ms, MB),  # one read: not a burst
+            {"kind": "hit", "layer": 1, "expert": 9, "size": MB, "client_send": 4}]
+    bursts = sorted(demand_bursts(recs))
+    assert bursts == [(3 * MB, pytest.approx(0.003)), (4 * MB, pytest.approx(0.002))]
+    b = summarize(recs, [], [], [], {}, disk_ceiling=2000 * MB)["demand_bursts"]
+    assert b["n"] == 2 and b["overall_MBps"] == pytest.approx(7 / 0.005)
+    assert b["MBps"]["max"] == pytest.approx(2000) and b["MBps"]["p50"] == pytest.approx(1500)
+    assert b["of_ceiling"] == pytest.approx(0.7) and b["ceiling_MBps"] == 2000
+    unprofiled = summarize(recs, [], [], [], {})["demand_bursts"]
+    assert unprofiled["of_ceiling"] is None and unprofiled["overall_MBps"] == b["overall_MBps"]
+
+
 def test_lanes_never_overlap_and_use_the_peak_concurrency():
     iv = [(0, 10), (5, 15), (10, 20), (12, 13), (30, 31), (14, 40)]
     ln = lanes(iv)
@@ -208,11 +230,19 @@ def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model
     from shared.blob import Manifest
     from tests.test_run import PROMPT, mlx_greedy_ids
 
+    from shared import disk
+
     prep = prep_model("qwen3_moe")
     out = tmp_path / "prof"
+    # a doctor's profile of the disk the blobs lie on: the bursts are judged against it
+    blob = prep / Manifest.load(prep).layers[0].file
+    profile = tmp_path / "disk.json"
+    disk.save(disk.Profile(os.stat(blob).st_dev, str(blob), 1 << 20, "direct",
+                           ((1, 500e6, 1e-3, 2e-3), (4, 1000e6, 2e-3, 4e-3))), profile)
+    env = dict(os.environ, IOD_DISK_PROFILE=str(profile))
     r = subprocess.run([sys.executable, "-m", "infer.cli", "run", "--model", str(prep),
                         "--prompt", PROMPT, "--max-tokens", "24", "--json", "--profile", str(out)],
-                       capture_output=True, text=True, env=dict(os.environ), timeout=120)
+                       capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert result["tokens"] == mlx_greedy_ids(synth_model("qwen3_moe"), 24)  # unchanged output
@@ -237,8 +267,12 @@ def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model
     assert set(s["per_layer"]) == layers
     assert s["tokens"] == 24 and s["bytes_per_token"] > 0
     assert s["bytes_copied"] == result["stats"]["bytes_read"]
+    bursts = s["demand_bursts"]  # the prefill misses many experts of a layer at once
+    assert bursts["n"] > 0 and bursts["ceiling_MBps"] == 1000
+    assert bursts["of_ceiling"] == pytest.approx(bursts["overall_MBps"] / 1000)
     md = (out / "summary.md").read_text()
     assert "| disk read |" in md and "Per MoE layer" in md and "Bytes per token" in md
+    assert "Bursts of demand reads" in md and "the `iod doctor` ceiling of 1000 MB/s" in md
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
