@@ -464,7 +464,7 @@ class _Decoder:
         self.y = None  # the last committed token, not yet fed to the model
         # (next token, hidden, checkpoint): a plain step built past the end of
         # a chunk so the pipeline does not drain at every decision of auto;
-        # taken back if the next pass drafts
+        # a pass that drafts next keeps it as a step of its own
         self.ahead = None
         # auto's shadow proposals of an MTP head, queued and not read yet:
         # (drafter, drafts, asked, tokens committed then, seconds to build)
@@ -639,13 +639,25 @@ class _Decoder:
             self.policy.plain(dt - shadow_s, len(out))
         return out, stop
 
-    def _take_back_ahead(self):
-        """The next pass drafts: undo the plain step built ahead of it."""
-        if self.ahead is not None:
-            _, _, ckpt = self.ahead
-            ckpt.rollback(0)
-            ckpt.stop()
-            self.ahead = None
+    def _commit_ahead(self):
+        """The next pass drafts: the plain step built ahead of it is kept (its
+        token is the greedy one), not computed again. Returns (tokens, stop)."""
+        if self.ahead is None:
+            return [], False
+        stats = self.stats
+        nxt, h, ckpt = self.ahead
+        self.ahead = None
+        ckpt.stop()
+        t = int(nxt.item())
+        new, stop = self._stop([t])
+        stats.committed += 1
+        stats.passes += 1
+        stats.plain_steps += 1
+        stats.fed += 1
+        self.y = t
+        if not stop:
+            self.observe(h, [t])
+        return new, stop
 
     def _verify(self, inputs, ckpt):
         """Logits (and hidden states) of the verify pass over ``inputs`` (ints,
@@ -711,7 +723,14 @@ class _Decoder:
         drafter = self.drafters[name]
         t0 = time.perf_counter()
         shadow_s = self._read_shadows()
-        self._take_back_ahead()
+        with mx.stream(self.stream):
+            first, stop = self._commit_ahead()
+        ahead_s = time.perf_counter() - t0 - shadow_s
+        if stop:
+            stats.decode_s += time.perf_counter() - t0
+            if self.policy is not None:
+                self.policy.other(ahead_s)
+            return first, True
         k = min(k, self.max_tokens - stats.committed - 1)
         if k and not can_roll_back(cache, k + 1):
             k = 0
@@ -778,12 +797,14 @@ class _Decoder:
         dt = time.perf_counter() - t0
         stats.decode_s += dt
         if self.policy is not None:
+            # the step kept from ahead measures nothing: the pass is the rest
+            self.policy.other(ahead_s)
             if drafts:
-                self.policy.draft_pass(name, len(drafts), a, dt - draft_s - shadow_s, draft_s,
-                                       len(new), probe, asked=k)
+                self.policy.draft_pass(name, len(drafts), a, dt - draft_s - shadow_s - ahead_s,
+                                       draft_s, len(new), probe, asked=k)
             else:
-                self.policy.other(dt - shadow_s)
-        return new, stop
+                self.policy.other(dt - shadow_s - ahead_s)
+        return first + new, stop
 
 
 def check_draft(draft, model_dir, temp=0.0):

@@ -453,6 +453,31 @@ def test_switching_between_plain_and_drafting_is_exact(nxt, verify):
     assert stats.plain_steps > 0 and stats.passes > stats.plain_steps
 
 
+@pytest.mark.parametrize("verify", ["exact", "rowwise"])
+def test_switching_computes_no_position_twice(nxt, verify, monkeypatch):
+    # every position the target model computes is the prompt's or a fed one
+    # (committed, or a draft verified): the plain step built ahead of a
+    # drafting pass is kept, not thrown away and computed again
+    from infer import speculative
+
+    computed = []
+    forward = speculative._Forward.__call__
+
+    def counting(self, inputs, cache):
+        computed.append(inputs.shape[-1])
+        return forward(self, inputs, cache)
+
+    monkeypatch.setattr(speculative._Forward, "__call__", counting)
+    _, _, model, store, _ = nxt
+    p = PROMPTS[0]
+    ref = greedy(model, p, 48)
+    out, stats = spec(model, p, 48, draft="auto", num_draft=3, store=store,
+                      policy=ScriptedPolicy(3, {"ngram": False}), verify=verify)
+    assert out == ref
+    assert stats.draft_passes > 0 and stats.plain_steps > 0
+    assert sum(computed) == len(p) + stats.fed
+
+
 def test_auto_stays_off_without_repetition(moe):
     """No n-gram ever matches on a random model's free prompt: auto never
     verifies a draft, and decodes as plain decoding does (one token fed per
