@@ -80,11 +80,10 @@ def build_parser():
 def cache_bytes_of(budget: str, manifest, draft="none", model_dir=None) -> int:
     """``--budget``: a fraction of the expert bytes of the layers the cache
     is shared over (an MTP head's only when it drafts), or a size."""
-    from .budget import cached_layers
+    from .budget import cached_expert_bytes
     from .mtp import drafts_with_mtp
 
-    expert_bytes = sum(l.stride * l.num_experts
-                       for l in cached_layers(manifest, drafts_with_mtp(draft, model_dir)))
+    expert_bytes = cached_expert_bytes(manifest, drafts_with_mtp(draft, model_dir))
     try:
         f = float(budget)
     except ValueError:

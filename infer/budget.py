@@ -210,6 +210,11 @@ def cached_layers(manifest, mtp_cache=False) -> list:
     return [l for l in manifest.layers if mtp_cache or not l.module.startswith("mtp.")]
 
 
+def cached_expert_bytes(manifest, mtp_cache=False) -> int:
+    """The expert bytes of ``cached_layers``: what a cache fraction is of."""
+    return sum(l.stride * l.num_experts for l in cached_layers(manifest, mtp_cache))
+
+
 def plan_memory(budget, model_dir, manifest, private_daemon=True, depth=2, dtype=None,
                 context=None, mtp_cache=False) -> MemoryPlan:
     """The cache size that keeps the session within ``budget``, or ValueError

@@ -203,7 +203,6 @@ def _free_ports(n):
 
 def launcher() -> str:
     """The ``mlx.launch`` next to this Python (the venv's), else on PATH."""
-
     here = Path(sys.executable).parent / "mlx.launch"
     found = str(here) if here.exists() else shutil.which("mlx.launch")
     if found is None:

@@ -10,7 +10,7 @@ from mlx_lm.utils import _get_classes, load_model
 from shared.blob import Manifest, ManifestError
 
 from . import coldstart
-from .budget import cached_layers
+from .budget import cached_expert_bytes, cached_layers
 from .predict import Calibration
 from .streaming import ExpertStore, patch_model
 
@@ -70,11 +70,10 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
         from . import distributed
 
         manifest = distributed.rank_manifest(manifest, model_dir, group)
-    cached = cached_layers(manifest, mtp_cache)
     if cache_bytes is None:
-        cache_bytes = int(sum(l.stride * l.num_experts for l in cached) * DEFAULT_CACHE_FRACTION)
+        cache_bytes = int(cached_expert_bytes(manifest, mtp_cache) * DEFAULT_CACHE_FRACTION)
     store = ExpertStore(manifest, source, cache_bytes, calibration=Calibration.load(model_dir),
-                        cached=[l.layer for l in cached])
+                        cached=[l.layer for l in cached_layers(manifest, mtp_cache)])
     store.dtype = dtype
     store.set_disk(model_dir)
 

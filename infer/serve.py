@@ -167,23 +167,31 @@ def _stop(signum, frame):
     raise KeyboardInterrupt  # mlx-lm's server loop shuts down on it
 
 
+def _leave(rc):
+    """Exit now, its status left for ``--ranks``'s launcher, without the
+    interpreter's teardown: there MLX's stream threads sometimes abort the
+    process ("terminate called without an active exception", about one
+    SIGTERM in four here), and a rank's generation thread may be waiting in
+    a collective on ranks already gone."""
+    from .distributed import leave_status
+
+    leave_status(rc)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 def _exit_rank(source):
-    """A rank's SIGINT/SIGTERM: leave at once. Its generation thread may be
-    waiting in a collective on ranks that are already gone, so mlx-lm's
-    orderly stop (join that thread) could wait forever."""
+    """A rank's SIGINT/SIGTERM: leave at once (mlx-lm's orderly stop joins
+    the generation thread, which could wait forever)."""
 
     def handler(signum, frame):
-        from . import distributed
-
         try:
             source.close()
         except Exception:  # noqa: BLE001 - leaving anyway; the daemon reclaims a dead session
             pass
-        distributed.leave_status(0)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _leave(0)
 
     return handler
 
@@ -250,21 +258,12 @@ def _main(argv=None) -> int:
         print(f"infer serve: {e}", file=sys.stderr)
         if g is not None:  # the generation thread waits on the other ranks: leave at once
             source.close()
-            distributed.leave_status(2)
-            sys.stderr.flush()
-            os._exit(2)
+            _leave(2)
         generator.stop_and_join()
         return 2
     finally:
         source.close()
-    # Everything is closed; skip the interpreter's teardown, where MLX's
-    # stream threads sometimes abort the process ("terminate called without
-    # an active exception", about one SIGTERM in four here)
-    distributed.leave_status(0)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave(0)  # everything is closed
 
 
 if __name__ == "__main__":

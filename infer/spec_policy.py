@@ -30,8 +30,9 @@ itself needs two measurements of its K; and a probe runs only if what probes
 lost, this probe's loss included should it accept nothing, stays under
 ``LOSS_FRACTION`` of the generation's decode time (its planned tokens at the
 measured step time, or the time so far if longer: a short generation has
-too little left to win back what a probe loses). So where nothing is accepted (no repetition for the n-gram drafter, an
-untrained MTP head) auto costs the shadow lookups only, and where the verify
+too little left to win back what a probe loses). So where nothing is
+accepted (no repetition for the n-gram drafter, an untrained MTP head)
+auto costs the shadow lookups only, and where the verify
 costs too much (K+1 one-token passes on a CPU) it costs one probe of one
 draft per ``FRESH`` tokens, and none in a generation shorter than about
 1 / ``LOSS_FRACTION`` tokens. While drafting, each pass re-measures T(k) and

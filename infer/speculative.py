@@ -615,19 +615,12 @@ class _Decoder:
                     logits, h = forward(cur[None], cache)
                     nxt = _greedy(logits)[0]
                     mx.async_eval(nxt)
-                t = int(cur.item())
-                _, stop = self._stop([t])
+                t, stop = self._commit_step(cur, cur_h)
                 out.append(t)
-                stats.committed += 1
-                stats.passes += 1
-                stats.plain_steps += 1
-                stats.fed += 1
-                self.y = t
                 if stop:
                     break
                 if ahead:
                     self.ahead = (nxt, h, ckpt)
-                self.observe(cur_h, [t])
                 if self.policy is not None:
                     ts = time.perf_counter()
                     self._shadow()
@@ -639,25 +632,31 @@ class _Decoder:
             self.policy.plain(dt - shadow_s, len(out))
         return out, stop
 
-    def _commit_ahead(self):
-        """The next pass drafts: the plain step built ahead of it is kept (its
-        token is the greedy one), not computed again. Returns (tokens, stop)."""
-        if self.ahead is None:
-            return [], False
+    def _commit_step(self, token, hidden):
+        """Commits the token of a plain step (``token``: its array, ``hidden``:
+        the hidden state that gave it); returns (token, whether generation ends)."""
         stats = self.stats
-        nxt, h, ckpt = self.ahead
-        self.ahead = None
-        ckpt.stop()
-        t = int(nxt.item())
-        new, stop = self._stop([t])
+        t = int(token.item())
+        _, stop = self._stop([t])
         stats.committed += 1
         stats.passes += 1
         stats.plain_steps += 1
         stats.fed += 1
         self.y = t
         if not stop:
-            self.observe(h, [t])
-        return new, stop
+            self.observe(hidden, [t])
+        return t, stop
+
+    def _commit_ahead(self):
+        """The next pass drafts: the plain step built ahead of it is kept (its
+        token is the greedy one), not computed again. Returns (tokens, stop)."""
+        if self.ahead is None:
+            return [], False
+        nxt, h, ckpt = self.ahead
+        self.ahead = None
+        ckpt.stop()
+        t, stop = self._commit_step(nxt, h)
+        return [t], stop
 
     def _verify(self, inputs, ckpt):
         """Logits (and hidden states) of the verify pass over ``inputs`` (ints,

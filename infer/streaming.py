@@ -248,10 +248,11 @@ class ExpertStore:
     ``source`` is a ``shared.source.ExpertSource``: ``infer.client.IodClient``
     (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
     in this process). ``cache_bytes`` is split evenly over the stacks of
-    the ``cached`` layers (default: all). With ``depth > 0`` each MoE layer also guesses the experts of the next
-    ``depth`` layers from its own input, and hints the source to prefetch the
-    guesses worth reading (``plan``). The guesses are the next layers'
-    routers applied to that input, or with a ``calibration``
+    the ``cached`` layers (default: all). With ``depth > 0`` each MoE layer
+    also guesses the experts of the next ``depth`` layers from its own
+    input, and hints the source to prefetch the guesses worth reading
+    (``plan``). The guesses are the next layers' routers applied to that
+    input, or with a ``calibration``
     (``infer.predict``, from ``infer prep --calibrate``) the predictor and
     breadth it chose per layer and depth.
     """

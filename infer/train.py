@@ -301,10 +301,10 @@ class Trainer:
         return r.lr * (r.min_lr + (1 - r.min_lr) * 0.5 * (1 + math.cos(math.pi * t)))
 
     def step(self, window: np.ndarray, lr: float):
-        keep = mx.array(self.keep if self.started else 0.0)
-        (loss, (parts, batch)), grads = self._value_and_grad(self.params, mx.array(window), self.shares, keep)
+        k = self.keep if self.started else 0.0
+        (loss, (parts, batch)), grads = self._value_and_grad(self.params, mx.array(window), self.shares,
+                                                             mx.array(k))
         if self.keep:
-            k = self.keep if self.started else 0.0
             self.shares = [k * s + (1 - k) * b for s, b in zip(self.shares, batch)]
         self.started = True
         grads, _ = optim.clip_grad_norm(grads, self.recipe.clip)
