@@ -6,15 +6,15 @@ pinned (the session alone: no message). A demanded record: demand sent,
 daemon received, queued, read start, read end, reply sent (the daemon's
 stamps, in a profiling session's DEMAND_OK), reply received. Both: copied
 into MLX (stamped here). ``Profiler`` collects
-them with the session's per-layer spans (compute up to the router, stall
-waiting for records, copy into MLX) and the token times; ``write`` turns
-them into
+them with the session's per-layer spans (compute up to the router, the
+layer's own host work, stall waiting for records, copy into MLX) and the
+token times; ``write`` turns them into
 
 - ``trace.json``: Chrome trace-event format (opens in Perfetto / chrome://tracing),
   one track per process and thread;
 - ``latency.png``: a CDF per hop;
-- ``summary.json`` / ``summary.md``: p50/p90/p99 per hop, stall time per
-  layer, bytes per token, and the rate at which bursts of demand reads
+- ``summary.json`` / ``summary.md``: p50/p90/p99 per hop, time per layer,
+  a decode token's time split (``decode_split``), bytes per token, and the rate at which bursts of demand reads
   (one layer's misses) came off the disk, against `iod doctor`'s ceiling.
 
 The daemon's stamps do not say which reader thread read a record, so disk
@@ -187,7 +187,7 @@ READ_TID0 = 1
 def trace_events(records, spans, tokens, pid, daemon_pid) -> list:
     """Chrome trace events (timestamps in µs of the shared monotonic clock).
 
-    infer process: the main thread's layer spans (compute / stall / copy),
+    infer process: the main thread's layer spans (compute / host / stall / copy),
     a token track, and request lanes (send → copied). iod process: disk
     reads on lanes, and request handling (received → sent) on lanes."""
     ev = [_meta(pid, 0, "process_name", f"infer (pid {pid})"),
@@ -313,13 +313,15 @@ def summarize(records, spans, tokens, copies, meta, disk_ceiling=None) -> dict:
     by_kind = kind_samples(records)
     per_layer = {}
     for kind, layer, t0, t1, n in spans:
-        row = per_layer.setdefault(str(layer), {"compute_s": 0.0, "stall_s": 0.0, "copy_s": 0.0,
-                                                "calls": 0, "stalls": 0})
+        row = per_layer.setdefault(str(layer), {"compute_s": 0.0, "host_s": 0.0, "stall_s": 0.0,
+                                                "copy_s": 0.0, "calls": 0, "stalls": 0})
         row[f"{kind}_s"] = row.get(f"{kind}_s", 0.0) + (t1 - t0) / 1e9
         if kind == "compute":
             row["calls"] += 1
         elif kind == "stall":
             row["stalls"] += 1
+    for row in per_layer.values():  # a call's stall and copy lie inside its host spans
+        row["host_s"] = max(row["host_s"] - row["stall_s"] - row["copy_s"], 0.0)
     n_tokens = len(tokens)
     copied = sum(c[2] for c in copies)
     decode = sum(c[2] for c in copies if tokens and c[1] > tokens[0])
@@ -342,9 +344,31 @@ def summarize(records, spans, tokens, copies, meta, disk_ceiling=None) -> dict:
     if n_tokens > 1:
         gaps = np.diff(np.asarray(tokens, dtype=np.float64)) / 1e6
         out["token_ms"] = percentiles(gaps)
+        out["decode_ms_per_token"] = decode_split(spans, tokens)
     if meta.get("daemon_bytes_read") is not None and n_tokens:
         out["daemon_bytes_read_per_token"] = meta["daemon_bytes_read"] / n_tokens
     out["meta"] = meta
+    return out
+
+
+def decode_split(spans, tokens) -> dict:
+    """Where a decode token's time goes, in ms per token, from the first
+    token to the last: ``compute`` (waiting for the model's work up to each
+    router, the one sync per streamed layer), ``stall`` (waiting for
+    records), ``copy`` (records into MLX), ``host`` (the streamed layers' own
+    work on the host: prediction, lookup, prefetch plan, the expert call's
+    graph) and ``other`` (the rest: the model's other layers built on the
+    host, sampling; with no streamed layer, all of it)."""
+    start, end = tokens[0], tokens[-1]
+    total = {"compute": 0, "stall": 0, "copy": 0, "host": 0}
+    for kind, _, t0, t1, _ in spans:
+        if kind in total and t0 >= start and t1 <= end:
+            total[kind] += t1 - t0
+    total["host"] = max(total["host"] - total["stall"] - total["copy"], 0)
+    n = len(tokens) - 1
+    out = {k: v / 1e6 / n for k, v in total.items()}
+    out["total"] = (end - start) / 1e6 / n
+    out["other"] = max(out["total"] - sum(total.values()) / 1e6 / n, 0.0)
     return out
 
 
@@ -369,11 +393,22 @@ def summary_markdown(s) -> str:
     for kind, p in s["request_to_mlx_us"].items():
         lines.append(f"| {kind} | {p['n']} | {_f(p['p50'])} | {_f(p['p90'])} | {_f(p['p99'])} |")
     lines += ["", "## Per MoE layer (s)", "",
-              "| layer | calls | compute | stalls | stall | copy |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| layer | calls | compute | host | stalls | stall | copy |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for layer, r in s["per_layer"].items():
-        lines.append(f"| {layer} | {r['calls']} | {r['compute_s']:.4f} | {r['stalls']} | "
-                     f"{r['stall_s']:.4f} | {r['copy_s']:.4f} |")
+        lines.append(f"| {layer} | {r['calls']} | {r['compute_s']:.4f} | {r['host_s']:.4f} | "
+                     f"{r['stalls']} | {r['stall_s']:.4f} | {r['copy_s']:.4f} |")
+    d = s.get("decode_ms_per_token")
+    if d:
+        lines += ["", "## A decode token's time (ms)", "",
+                  "| compute | host | stall | copy | other | total |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |",
+                  f"| {d['compute']:.2f} | {d['host']:.2f} | {d['stall']:.2f} | {d['copy']:.2f} "
+                  f"| {d['other']:.2f} | {d['total']:.2f} |", "",
+                  "compute: waiting for the model's work up to each streamed layer's router "
+                  "(one sync a layer); host: the streamed layers' own host work (prediction, "
+                  "lookup, prefetch plan, the expert call's graph); other: the rest of the "
+                  "model's host work and sampling."]
     lines += ["", "## Bytes per token", "",
               f"- copied into MLX: {s['bytes_copied']} bytes, "
               f"{_f(s['bytes_per_token'], 0)} per token "

@@ -367,7 +367,7 @@ class ExpertStore:
         candidates = []
         for layer, d, ids, use in guesses:
             rows = np.array(ids).reshape(-1, ids.shape[-1])
-            wanted = set(np.unique(rows).tolist())
+            wanted = set(rows.ravel().tolist())
             # a prefill-sized call: its next layers need most experts anyway,
             # and reading them all ahead would crowd out demand
             small = len(wanted) <= 2 * max(self.routers[layer][1], rows.shape[-1])
@@ -620,6 +620,7 @@ class StreamingExperts(nn.Module):
         self._store = store
         for proj in layout.projections:
             setattr(inner, proj, _projection(layout, proj))
+        self._lut = np.zeros(layout.num_experts, dtype=np.uint32)  # expert -> position
 
     def __call__(self, x, indices):
         store = self._store
@@ -631,30 +632,44 @@ class StreamingExperts(nn.Module):
         # Reading the routed ids forces evaluation up to the router: inherent
         # to streaming, and the only sync per MoE layer. The next layers'
         # guesses are evaluated in the same sync.
-        guesses = store.predict(self._layout.layer, x) if store.depth else []
-        t0 = time.monotonic_ns() if store.profiler else 0
+        prof, layer = store.profiler, self._layout.layer
+        t0 = time.monotonic_ns() if prof else 0
+        guesses = store.predict(layer, x) if store.depth else []
+        t1 = time.monotonic_ns() if prof else 0
         mx.eval(indices, *[g[2] for g in guesses])
-        if store.profiler:  # the compute since the previous sync, up to this router
-            store.profiler.span("compute", self._layout.layer, t0, time.monotonic_ns())
+        if prof:  # the compute since the previous sync, up to this router
+            t2 = time.monotonic_ns()
+            prof.span("host", layer, t0, t1)
+            prof.span("compute", layer, t1, t2)
         ids = np.array(indices)
-        unique = np.unique(ids)
+        unique = sorted(set(ids.ravel().tolist()))
         store.clock(len(unique) <= 2 * ids.shape[-1])
         store.prefetch(guesses)
-        arrays, positions = store.gather(self._layout.layer, unique)
+        arrays, positions = store.gather(layer, unique)
         store._end_call()
-        for (proj, tensor), arr in arrays.items():
-            setattr(getattr(self._inner, proj), tensor, arr)
-        lut = np.zeros(self._layout.num_experts, dtype=np.uint32)
+        self._bind(arrays)
+        lut = self._lut  # entries of other experts are stale, and unread
         lut[unique] = positions
         y = self._inner(x, mx.array(lut[ids]))
+        if prof:  # stall and copy spans lie inside: the summary takes them out
+            prof.span("host", layer, t2, time.monotonic_ns())
         stack = store.stacks[self._layout.layer]
         if arrays is not stack.arrays:
             # a temporary compact stack: the graph of y holds it until y is
             # evaluated; the module must not keep it alive until the layer's
             # next call (one per layer adds up to several layers' experts)
-            for key, arr in stack.arrays.items():
-                setattr(getattr(self._inner, key[0]), key[1], arr)
+            self._bind(stack.arrays)
         return y
+
+    def _bind(self, arrays):
+        """Point the inner module's tensors at ``arrays``: set only where they
+        point elsewhere (a stack's arrays are written in place and stay
+        bound from call to call; a cast of the model rebinds them)."""
+        inner = self._inner
+        for (proj, tensor), arr in arrays.items():
+            module = inner[proj]
+            if module.get(tensor) is not arr:
+                setattr(module, tensor, arr)
 
 
 def _resolve(model, path):

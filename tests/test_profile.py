@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from infer.profile import HOPS, demand_bursts, lanes, percentiles, summarize, trace_events
+from infer.profile import (HOPS, decode_split, demand_bursts, lanes, percentiles, summarize,
+                           trace_events)
 from tests.iod_fixtures import short_dir
 
 PHASES = set("BEXIiCbnesftPOND(M)") - set("()")
@@ -172,6 +173,24 @@ def test_summary_hops_are_exact_on_known_timings():
     assert s["records_by_kind"] == {"arena_hit": 5, "demand_hit": 10, "demand_read": 10}
 
 
+def test_decode_split_takes_nested_stall_and_copy_out_of_host():
+    ms = 1_000_000
+    tokens = [0, 10 * ms, 20 * ms]  # two decode tokens, 20 ms
+    spans = [("host", 0, 0, 1 * ms, 0), ("compute", 0, 1 * ms, 4 * ms, 0),
+             ("host", 0, 4 * ms, 9 * ms, 0),  # holds the stall and the copy below
+             ("stall", 0, 5 * ms, 7 * ms, 1), ("copy", 0, 7 * ms, 8 * ms, 100),
+             ("compute", 1, 10 * ms, 16 * ms, 0), ("host", 1, 16 * ms, 17 * ms, 0),
+             ("compute", 1, 25 * ms, 26 * ms, 0)]  # after the last token: not decode
+    d = decode_split(spans, tokens)
+    assert d["total"] == pytest.approx(10.0)
+    assert d["compute"] == pytest.approx((3 + 6) / 2)
+    assert d["stall"] == pytest.approx(1.0) and d["copy"] == pytest.approx(0.5)
+    assert d["host"] == pytest.approx((1 + 5 + 1 - 2 - 1) / 2)
+    assert d["other"] == pytest.approx(10.0 - 4.5 - 1.0 - 0.5 - 2.0)
+    layer0 = summarize([], spans, tokens, [], {})["per_layer"]["0"]
+    assert layer0["host_s"] == pytest.approx(0.003) and layer0["calls"] == 1
+
+
 def test_demand_bursts_rate_on_known_reads():
     ms, MB = 1_000_000, 1_000_000
 
@@ -266,6 +285,10 @@ def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model
     layers = {str(l.layer) for l in Manifest.load(prep).layers}
     assert set(s["per_layer"]) == layers
     assert s["tokens"] == 24 and s["bytes_per_token"] > 0
+    split = s["decode_ms_per_token"]  # the parts add up to the time between tokens
+    parts = sum(split[k] for k in ("compute", "host", "stall", "copy", "other"))
+    assert split["compute"] > 0 and split["host"] > 0
+    assert parts == pytest.approx(split["total"]) and split["total"] > 0
     assert s["bytes_copied"] == result["stats"]["bytes_read"]
     bursts = s["demand_bursts"]  # the prefill misses many experts of a layer at once
     assert bursts["n"] > 0 and bursts["ceiling_MBps"] == 1000

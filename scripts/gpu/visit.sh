@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|trained|spec
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|trained|spec|overhead|split
 # Results go to $OUT (the device tool's folder that comes back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,7 +16,9 @@ log() { echo "== $(date +%T) $*"; }
 
 case "$1" in
 setup)
-  bash scripts/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt" ;;
+  bash scripts/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt"
+  # kernels compiled on an earlier visit (ptx.tgz from `split`), carried as .gpu/ptx
+  if [ -f .gpu/ptx/ptx.tgz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf .gpu/ptx/ptx.tgz -C "$MLX_PTX_CACHE_DIR"; fi ;;
 q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm kernels
   log synth; time infer synth --arch qwen3_moe --preset "${PRESET:-qwen3-30b-a3b}" --dtype "${DTYPE:-bfloat16}" --out "$W/q30-src" --force | tail -2
   log prep; time infer prep --model "$W/q30-src" --out "$W/q30" --force | tail -2
@@ -74,4 +76,34 @@ spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gr
   log ngram; timeout ${SPEC_S:-120} python3 -m infer.bench --model "$P" --modes resident --runs 2 --draft ngram \
     --num-draft 2,4 --prompt @code --raw-prompt --max-tokens 64 --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12
   ;;
+overhead)  # where a streamed layer's time goes: tiny-trained qwen3_moe and the small preset (random)
+  log prep-tiny; infer prep --model tests/models/tiny-trained-qwen3_moe --out "$W/tiny" --force --no-progress | tail -1
+  if [ ! -f "$W/small/manifest.json" ]; then
+    log synth-small; time infer synth --arch qwen3_moe --preset small --dtype bfloat16 --out "$W/small-src" --force | tail -1
+    log prep-small; time infer prep --model "$W/small-src" --out "$W/small" --force --no-progress | tail -1
+    rm -rf "$W/small-src"
+  fi
+  log doctor; iod doctor --model "$W/small" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"
+  [ -n "${NO_WARM:-}" ] || for m in tiny small; do log "warm $m"; time infer run --model "$W/$m" --max-tokens 4 --prompt Hello > /dev/null; done
+  ;;
+split)  # the profile's split of a decode token, and bench, with and without $VARIANT
+  for m in ${MODELS:-tiny small}; do
+    for v in ${VARIANTS:-0 1}; do
+      log "profile $m variant $v"
+      IOD_EXP_ASYNC=$v timeout 120 python3 -m infer.cli run --model "$W/$m" --prompt "def fibonacci(n):" --max-tokens ${TOKENS:-48} \
+        --json --profile "$OUT/prof-$m-$v" > "$OUT/run-$m-$v.json" 2> "$OUT/run-$m-$v.err"
+      sed -n '/A decode token/,/^| [0-9]/p' "$OUT/prof-$m-$v/summary.md"; rm -f "$OUT/prof-$m-$v/trace.json"
+    done
+  done
+  for v in ${VARIANTS:-0 1}; do
+    log "bench tiny variant $v"
+    IOD_EXP_ASYNC=$v timeout 150 python3 -m infer.bench --model "$W/tiny" --budget 0.5 --modes resident,sync,iod \
+      --runs 3 --max-tokens 64 --json "$OUT/bench-tiny-$v.json" 2>&1 | tail -4
+  done
+  for v in ${VARIANTS:-0 1}; do
+    log "bench small variant $v"
+    IOD_EXP_ASYNC=$v timeout 150 python3 -m infer.bench --model "$W/small" --budget 0.5 --modes sync,iod \
+      --runs 2 --max-tokens 32 --json "$OUT/bench-small-$v.json" 2>&1 | tail -3
+  done
+  tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . && du -h "$OUT/ptx.tgz" ;;
 esac
