@@ -55,7 +55,7 @@ def record(model_dir, tokens, text=None, stretches=2):
 
     def record_guesses(gs):  # the guesses of the call the trace records next
         guesses.append((len(store.trace), [[int(l), d, np.unique(np.array(g)).tolist()]
-                                           for l, d, g in gs]))
+                                           for l, d, g, _ in gs]))
         prefetch(gs)
 
     store.prefetch = record_guesses

@@ -171,3 +171,29 @@ def test_policy_table_sums_traces_per_budget():
     assert row["global least-stale"] == 2 * simulate_global(trace, 10, "least-stale", 2)
     assert row["belady_global"] == 2 * belady_global(trace, 10) <= row["belady"]
     assert "| 25% | 5 |" in bench.markdown(rows, ["lru"])
+
+
+def test_policy_traces_record_each_call_and_the_next_layers_guesses(trained_prep):
+    """scripts/bench_policies.py records, per call, the routed experts and the
+    guesses made there for the next layers (as the replayed policies see them)."""
+    import importlib.util
+    from pathlib import Path
+
+    from shared.blob import Manifest
+
+    path = Path(__file__).parents[1] / "scripts" / "bench_policies.py"
+    spec = importlib.util.spec_from_file_location("bench_policies", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prep = trained_prep("qwen3_moe")
+    layers = [l.layer for l in Manifest.load(prep).layers]
+    traces = bench.record(prep, 8, stretches=1)
+    assert set(traces) == {"s0-forced", "s0-free"}
+    for trace in traces.values():
+        # a prefill call and 7 decode calls per layer, in layer order
+        assert [l for l, _, _ in trace] == layers * 8
+        for n, (layer, experts, guesses) in enumerate(trace):
+            assert len(experts) == (8 if n >= len(layers) else len(experts)) and experts
+            assert all(0 <= e < 64 for e in experts)
+            nxt = [l for l in layers if l > layer][:2]
+            assert [(g[0], g[1]) for g in guesses] == [(l, d) for d, l in enumerate(nxt, 1)]
