@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
 #   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|trained|spec|overhead|split
-# Results go to $OUT (the device tool's folder that comes back).
+# Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
+# before each sub-step (the device tool returns only a few files a call, and
+# nothing a call killed at its time limit had not packed yet).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/ptx} PYTHONUNBUFFERED=1
@@ -9,10 +11,14 @@ export IOD_DISK_PROFILE=${IOD_DISK_PROFILE:-/root/disk.json}
 W=${W:-/root/w}
 RUN=${RUN:-/root/iodrun}
 export IOD_RUN_DIR=$RUN
-mkdir -p "$W" "$OUT" "$RUN" && chmod 700 "$RUN"
+PACKED=$OUT/$1.tgz
+OUT=/root/res/$1
+mkdir -p "$W" "$OUT" "$RUN" "$(dirname "$PACKED")" && chmod 700 "$RUN"
+pack() { tar czf "$PACKED" --exclude=trace.json -C /root/res "$(basename "$OUT")" 2>/dev/null; }
+trap pack EXIT
 infer() { python3 -m infer.cli "$@"; }
 iod() { python3 -m iod.cli "$@"; }
-log() { echo "== $(date +%T) $*"; }
+log() { pack; echo "== $(date +%T) $*"; }
 
 case "$1" in
 setup)
@@ -86,24 +92,19 @@ overhead)  # where a streamed layer's time goes: tiny-trained qwen3_moe and the 
   log doctor; iod doctor --model "$W/small" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"
   [ -n "${NO_WARM:-}" ] || for m in tiny small; do log "warm $m"; time infer run --model "$W/$m" --max-tokens 4 --prompt Hello > /dev/null; done
   ;;
-split)  # the profile's split of a decode token, and bench, with and without $VARIANT
+split)  # the profile's split of a decode token, and the per-layer cost in bench
   for m in ${MODELS:-tiny small}; do
-    for v in ${VARIANTS:-0 1}; do
-      log "profile $m variant $v"
-      IOD_EXP_ASYNC=$v timeout 120 python3 -m infer.cli run --model "$W/$m" --prompt "def fibonacci(n):" --max-tokens ${TOKENS:-48} \
-        --json --profile "$OUT/prof-$m-$v" > "$OUT/run-$m-$v.json" 2> "$OUT/run-$m-$v.err"
-      sed -n '/A decode token/,/^| [0-9]/p' "$OUT/prof-$m-$v/summary.md"; rm -f "$OUT/prof-$m-$v/trace.json"
-    done
+    log "profile $m"
+    timeout 120 python3 -m infer.cli run --model "$W/$m" --prompt "def fibonacci(n):" --max-tokens ${TOKENS:-48} \
+      --json --profile "$OUT/prof-$m" > "$OUT/run-$m.json" 2> "$OUT/run-$m.err"
+    sed -n '/A decode token/,/^| [0-9]/p' "$OUT/prof-$m/summary.md"
   done
-  for v in ${VARIANTS:-0 1}; do
-    log "bench tiny variant $v"
-    IOD_EXP_ASYNC=$v timeout 150 python3 -m infer.bench --model "$W/tiny" --budget 0.5 --modes resident,sync,iod \
-      --runs 3 --max-tokens 64 --json "$OUT/bench-tiny-$v.json" 2>&1 | tail -4
-  done
-  for v in ${VARIANTS:-0 1}; do
-    log "bench small variant $v"
-    IOD_EXP_ASYNC=$v timeout 150 python3 -m infer.bench --model "$W/small" --budget 0.5 --modes sync,iod \
-      --runs 2 --max-tokens 32 --json "$OUT/bench-small-$v.json" 2>&1 | tail -3
-  done
-  tar czf "$OUT/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . && du -h "$OUT/ptx.tgz" ;;
+  log "bench tiny"
+  timeout 150 python3 -m infer.bench --model "$W/tiny" --budget 0.5 --modes resident,sync,iod \
+    --runs 3 --max-tokens 64 --json "$OUT/bench-tiny.json" 2>&1 | tail -4
+  log "bench small"
+  timeout 150 python3 -m infer.bench --model "$W/small" --budget 0.5 --modes sync,iod \
+    --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3
+  log "kernels"
+  tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
 esac
