@@ -22,6 +22,7 @@ import platform
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from . import synth_presets, synth_tokenizer, train_data
+from . import synth_presets, synth_tokenizer, train_data, train_delta
 from .mtp import MTP_FILE, MTPHead
 
 ARCHS = ("qwen3_moe", "qwen3_next")
@@ -170,13 +171,17 @@ class Trainee(nn.Module):
 
     ``experts``: "grouped" runs each MoE layer as GroupedGLU (fast on a CPU,
     but it reads the routing on the host, so a step cannot be compiled);
-    "gather" keeps mlx-lm's SwitchGLU (sorted ``gather_mm``, no host sync)."""
+    "gather" keeps mlx-lm's SwitchGLU (sorted ``gather_mm``, no host sync).
+    ``delta``: qwen3_next's gated delta rule token by token as mlx-lm runs
+    it ("steps") or in chunks (``infer.train_delta``: far less memory and
+    fewer sequential steps for the backward)."""
 
-    def __init__(self, config, experts="grouped"):
+    def __init__(self, config, experts="grouped", delta="steps"):
         super().__init__()
         from .synth import build_model
 
         self.model, self.args = build_model(config)
+        self.delta = delta  # qwen3_next's linear attention: "steps" (mlx-lm's) or "chunks"
         self.top_k = config["num_experts_per_tok"]
         self.num_mtp = config.get("mtp_num_hidden_layers", 0) if config["model_type"] == "qwen3_next" else 0
         if self.num_mtp:
@@ -246,14 +251,15 @@ def forward_losses(trainee: Trainee, window, seq: int, shares=None, keep=0.0):
     with an MTP head) tokens."""
     trainee.tape.logits.clear()
     inputs, targets = window[:, :seq], window[:, 1 : seq + 1]
-    h = trainee.model.model(inputs)
-    ce = cross_entropy(trainee.logits(h), targets)
-    mtp_ce = mx.array(0.0)
-    if trainee.num_mtp:
-        # the head sees h[i] (after the final norm) and the true token i+1; predicts i+2
-        embeds = trainee.model.model.embed_tokens(targets)
-        g = trainee.mtp(h, embeds, [None] * trainee.num_mtp)
-        mtp_ce = cross_entropy(trainee.logits(g), window[:, 2 : seq + 2])
+    with train_delta.in_chunks() if trainee.delta == "chunks" else nullcontext():
+        h = trainee.model.model(inputs)
+        ce = cross_entropy(trainee.logits(h), targets)
+        mtp_ce = mx.array(0.0)
+        if trainee.num_mtp:
+            # the head sees h[i] (after the final norm) and the true token i+1; predicts i+2
+            embeds = trainee.model.model.embed_tokens(targets)
+            g = trainee.mtp(h, embeds, [None] * trainee.num_mtp)
+            mtp_ce = cross_entropy(trainee.logits(g), window[:, 2 : seq + 2])
     aux, z, batch_shares = router_losses(trainee.tape, trainee.top_k, shares, keep)
     return ce, mtp_ce, aux, z, batch_shares
 
@@ -465,9 +471,16 @@ def default_experts() -> str:
     return "gather" if mx.default_device().type == mx.DeviceType.gpu else "grouped"
 
 
+def default_delta() -> str:
+    """qwen3_next's recurrence in chunks on a GPU, where mlx-lm's token-by-token
+    ops ran the H200 out of memory at the small preset; on a CPU mlx-lm's own
+    (the committed tiny checkpoints were trained so)."""
+    return "chunks" if mx.default_device().type == mx.DeviceType.gpu else "steps"
+
+
 def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=None, dtype="float32",
           layers=None, batch=None, seq=None, quant="affine4", judge=True, log=print, experts=None,
-          compiled=False, **recipe_overrides) -> dict:
+          compiled=False, delta=None, **recipe_overrides) -> dict:
     """Train, write the model folder into ``out`` (which must exist) and
     judge it; returns what it also writes as ``train.json``."""
     t_start = time.time()
@@ -484,7 +497,8 @@ def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=
 
     mx.random.seed(seed)
     experts = experts or default_experts()
-    trainee = Trainee(config, experts)
+    delta = delta or default_delta()
+    trainee = Trainee(config, experts, delta)
     init_weights(trainee, config["num_hidden_layers"])
     extra = 2 if trainee.num_mtp else 1
     batches = train_data.Batches(data.train_ids, recipe.batch, recipe.seq, seed, extra)
@@ -493,7 +507,8 @@ def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=
     n_params = sum(v.size for _, v in tree_flatten(trainer.params))
     log(f"{arch} {preset}: {n_params / 1e6:.1f}M parameters, {recipe.batch}x{recipe.seq} tokens a step, "
         f"{recipe.steps} steps{f' or {minutes} minutes' if minutes else ''}, {dtype} on {mx.default_device()}, "
-        f"experts {experts}{' (compiled step)' if compiled else ''}")
+        f"experts {experts}{' (compiled step)' if compiled else ''}"
+        + (f", linear attention in {delta}" if arch == "qwen3_next" else ""))
     t0 = time.time()
     curve, step = run(trainer, batches, held, plan, log, judge)
     train_s = time.time() - t0
@@ -520,6 +535,7 @@ def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=
         "cpu_minutes": round(time.process_time() / 60, 2),  # this process' CPU time: the figure a shared machine keeps
         "minutes_limit": minutes,
         "parameters": n_params, "dtype": dtype, "quantization": quant, "experts": experts, "compiled": compiled,
+        **({"delta": delta} if arch == "qwen3_next" else {}),
         "recipe": vars(recipe),
         "corpus": data.corpus, "train_tokens": int(len(data.train_ids)), "heldout_tokens": int(len(data.held_ids)),
         "tokenizer_vocab": data.tokenizer.get_vocab_size(),
@@ -530,6 +546,7 @@ def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=
                      + (f" --layers {layers}" if layers else "") + (f" --batch {batch}" if batch else "")
                      + (f" --seq {seq}" if seq else "") + (f" --experts {experts}" if experts != default_experts() else "")
                      + (" --compile" if compiled else "")
+                     + (f" --delta {delta}" if arch == "qwen3_next" and delta != default_delta() else "")
                      + (f" --aux-coef {recipe.aux_coef:g}" if recipe.aux_coef != Recipe.aux_coef else ""),
         "curve": curve,
         "files": files + [HELDOUT_FILE, "train.json"],
@@ -652,6 +669,9 @@ def parse(argv):
                     help="weight of the load-balancing loss")
     ap.add_argument("--experts", choices=("grouped", "gather"),
                     help="MoE layer kernel: grouped (default on a CPU) or mlx-lm's gather_mm (default on a GPU)")
+    ap.add_argument("--delta", choices=("steps", "chunks"),
+                    help="qwen3_next's linear attention in training: mlx-lm's token-by-token ops "
+                         "(default on a CPU) or in chunks (default on a GPU; far less memory)")
     ap.add_argument("--compile", action="store_true",
                     help="compile the loss and gradient once (mx.compile); needs --experts gather")
     ap.add_argument("--make-corpus", type=Path, metavar="FILE",
@@ -702,7 +722,7 @@ def main(argv) -> int:
     try:
         report = train(a.arch, a.preset, tmp, a.corpus, a.minutes, a.seed, a.steps, a.dtype, a.layers,
                        a.batch, a.seq, a.quant, judge=not a.no_judge, experts=experts, compiled=a.compile,
-                       aux_coef=a.aux_coef,
+                       delta=a.delta, aux_coef=a.aux_coef,
                        log=lambda s: print(s, file=sys.stderr, flush=True))
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()

@@ -181,3 +181,66 @@ def test_gather_experts_and_compiled_step_train_like_grouped(arch):
     # gather_mm and a batched matmul round differently: equal to 1e-5, not bit-equal
     assert losses["gather"] == pytest.approx(losses["grouped"], rel=1e-5)
     assert losses["grouped"][0] != pytest.approx(losses["grouped"][2], rel=1e-3)  # it did learn something
+
+
+def test_chunked_delta_rule_equals_mlx_lm_steps():
+    """infer.train_delta: the gated delta rule in chunks gives mlx-lm's
+    token-by-token outputs, final state and gradients (a length that is not a
+    multiple of the chunk, grouped key heads, a non-zero initial state)."""
+    from mlx_lm.models import gated_delta
+
+    from infer import train_delta
+
+    mx.random.seed(0)
+    B, T, Hk, Hv, Dk, Dv = 2, 37, 2, 4, 32, 24
+    q, k = gated_delta.normalize_qk(mx.random.normal((B, T, Hk, Dk)), mx.random.normal((B, T, Hk, Dk)),
+                                    inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((B, T, Hv, Dv))
+    a, b = mx.random.normal((B, T, Hv)), 2 * mx.random.normal((B, T, Hv))
+    A_log, dt_bias = 0.5 * mx.random.normal((Hv,)), mx.random.normal((Hv,))
+    state = 0.1 * mx.random.normal((B, Hv, Dv, Dk))
+    weights = mx.random.normal((B, T, Hv, Dv))
+
+    def steps(q, k, v, a, b):
+        return gated_delta.gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, use_kernel=False)
+
+    def chunks(q, k, v, a, b):
+        return train_delta.update(q, k, v, a, b, A_log, dt_bias, state)
+
+    (y1, s1), (y2, s2) = steps(q, k, v, a, b), chunks(q, k, v, a, b)
+    assert y2.shape == y1.shape and s2.shape == s1.shape
+    assert mx.allclose(y2, y1, atol=1e-5).item() and mx.allclose(s2, s1, atol=1e-5).item()
+    assert train_delta.CHUNK < T and T % train_delta.CHUNK  # several chunks, the last padded
+    grads = [mx.grad(lambda *x, f=f: (f(*x)[0] * weights).sum(), argnums=(0, 1, 2, 3, 4))(q, k, v, a, b)
+             for f in (steps, chunks)]
+    for g1, g2 in zip(*grads):
+        assert mx.allclose(g2, g1, atol=1e-4).item()
+
+
+def test_chunked_delta_trains_like_steps(corpus, tmp_path, monkeypatch):
+    """qwen3_next's training step with the rule in chunks (the GPU default)
+    takes the steps mlx-lm's token-by-token rule takes; the choice is kept in
+    train.json and its reproduce line."""
+    from infer import train_delta
+
+    calls = []
+    chunked = train_delta.update
+    monkeypatch.setattr(train_delta, "update", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    cfg = train.make_config("qwen3_next", "tiny", layers=4)
+    windows = np.random.default_rng(0).integers(0, cfg["vocab_size"], (3, 2, 34)).astype(np.int32)
+    losses = {}
+    for delta, compiled in (("steps", False), ("chunks", False), ("chunks", True)):
+        calls.clear()
+        mx.random.seed(0)
+        trainee = train.Trainee(cfg, "gather", delta)
+        train.init_weights(trainee, cfg["num_hidden_layers"])
+        recipe = train.Recipe(seq=32, batch=2, steps=3, lr=1e-3, eval_every=3)
+        trainer = train.Trainer(trainee, recipe, mx.float32, compiled)
+        losses[(delta, compiled)] = [trainer.step(w, 1e-3)[0] for w in windows]
+        assert bool(calls) == (delta == "chunks")  # the linear-attention layers ran it
+    for key in (("chunks", False), ("chunks", True)):
+        assert losses[key] == pytest.approx(losses[("steps", False)], rel=1e-5)
+    out = tmp_path / "next"
+    out.mkdir()
+    report = train.train("qwen3_next", out=out, corpus=str(corpus), log=lambda s: None, delta="chunks", **QUICK)
+    assert report["delta"] == "chunks" and "--delta chunks" in report["reproduce"]

@@ -3,7 +3,8 @@
     python scripts/gpu/train_probe.py --preset small --steps 6 --json probe.json \
         qwen3_moe:grouped qwen3_moe:gather qwen3_moe:gather+compile qwen3_next:gather+compile
 
-Random token windows (no corpus needed); each variant's first step (kernel
+Random token windows (no corpus needed); qwen3_next's linear attention as
+`infer train` runs it by default there (in chunks on a GPU). Each variant's first step (kernel
 compilation, tracing) is reported apart from the median of the others.
 The JSON names the fastest variant per architecture.
 """
@@ -25,7 +26,7 @@ def probe(arch, experts, compiled, preset, steps, dtype, seq=None, batch=None):
     recipe = train.Recipe(seq=seq or p["seq"], batch=batch or p["batch"], steps=steps, lr=p["lr"],
                           eval_every=steps)
     mx.random.seed(0)
-    trainee = train.Trainee(config, experts)
+    trainee = train.Trainee(config, experts, train.default_delta())
     train.init_weights(trainee, config["num_hidden_layers"])
     trainer = train.Trainer(trainee, recipe, train.DTYPES[dtype], compiled)
     extra = 2 if trainee.num_mtp else 1
@@ -38,7 +39,8 @@ def probe(arch, experts, compiled, preset, steps, dtype, seq=None, batch=None):
         times.append(time.perf_counter() - t)
     tokens = recipe.batch * recipe.seq
     med = statistics.median(times[1:])
-    return {"arch": arch, "experts": experts, "compiled": compiled, "first_step_s": round(times[0], 2),
+    return {"arch": arch, "experts": experts, "compiled": compiled, "delta": trainee.delta,
+            "first_step_s": round(times[0], 2),
             "step_s": round(med, 4), "step_s_runs": [round(x, 4) for x in times[1:]],
             "tokens_per_s": round(tokens / med), "loss": round(loss, 4),
             "peak_memory_gb": round(mx.get_peak_memory() / 1e9, 1)}
