@@ -705,6 +705,8 @@ def main(argv) -> int:
         return fail("--compile needs --experts gather (grouped experts read the routing on the host)")
     if a.aux_coef < 0:
         return fail("--aux-coef must be >= 0")
+    if a.delta and a.arch != "qwen3_next":
+        return fail("--delta applies to qwen3_next (its linear attention) only")
     if a.arch == "qwen3_next" and a.layers is not None and a.layers < 4:
         return fail("qwen3_next needs --layers >= 4 (one full-attention layer every 4)")
     if a.out is None:

@@ -134,6 +134,7 @@ def test_refusals(corpus, tmp_path, capsys):
     assert train_main(["--arch", "qwen3_moe", "--out", out, "--minutes", "0"]) == 2
     assert train_main(["--arch", "qwen3_next", "--out", out, "--layers", "2"]) == 2
     assert train_main(["--arch", "qwen3_moe", "--out", out, "--aux-coef", "-1"]) == 2
+    assert train_main(["--arch", "qwen3_moe", "--out", out, "--delta", "chunks"]) == 2
     assert train_main(["--arch", "qwen3_moe"]) == 2
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
