@@ -14,8 +14,9 @@ token times; ``write`` turns them into
   one track per process and thread;
 - ``latency.png``: a CDF per hop;
 - ``summary.json`` / ``summary.md``: p50/p90/p99 per hop, time per layer,
-  a decode token's time split (``decode_split``), bytes per token, and the rate at which bursts of demand reads
-  (one layer's misses) came off the disk, against `iod doctor`'s ceiling.
+  a decode token's time split (``decode_split``), bytes per token, and the
+  rate at which bursts of demand reads (one layer's misses) came off the
+  disk, against `iod doctor`'s ceiling.
 
 The daemon's stamps do not say which reader thread read a record, so disk
 reads are drawn on "lanes": overlapping reads go to different lanes, which

@@ -653,7 +653,7 @@ class StreamingExperts(nn.Module):
         y = self._inner(x, mx.array(lut[ids]))
         if prof:  # stall and copy spans lie inside: the summary takes them out
             prof.span("host", layer, t2, time.monotonic_ns())
-        stack = store.stacks[self._layout.layer]
+        stack = store.stacks[layer]
         if arrays is not stack.arrays:
             # a temporary compact stack: the graph of y holds it until y is
             # evaluated; the module must not keep it alive until the layer's
