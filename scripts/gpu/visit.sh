@@ -66,12 +66,13 @@ trained)  # issues 13/15/17 on the trained small models: prep, routing, doctor, 
     log "routing $arch"; infer routing --model "$W/p-$arch" --text "$W/t-$arch/heldout.txt" --tokens 1024 \
       --json "$OUT/routing-$arch.json" 2>&1 | tail -14
   done
-  log doctor; iod doctor --model "$W/p-qwen3_moe" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"
+  first=$(set -- ${ARCHS:-qwen3_moe qwen3_next}; echo "$1")  # the budgets are benched on the first
+  log doctor; iod doctor --model "$W/p-$first" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"
   for b in ${BUDGETS:-1.0 0.5 0.25 0.1}; do
     if [ "$b" = 1.0 ]; then flags="--warm --modes resident,iod"; else flags="--modes sync,iod"; fi
-    log "bench $b $flags"
-    timeout ${BENCH_S:-100} python3 -m infer.bench --model "$W/p-qwen3_moe" --budget "$b" --runs ${RUNS:-2} \
-      --max-tokens 48 --prompt @pycode --raw-prompt $flags --json "$OUT/bench-moe-$b.json" 2>&1 | tail -6
+    log "bench $first $b $flags"
+    timeout ${BENCH_S:-100} python3 -m infer.bench --model "$W/p-$first" --budget "$b" --runs ${RUNS:-2} \
+      --max-tokens 48 --prompt @pycode --raw-prompt $flags --json "$OUT/bench-$first-$b.json" 2>&1 | tail -6
   done ;;
 spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gram on code
   P="$W/p-qwen3_next"
