@@ -47,12 +47,8 @@ def chunked(q, k, v, log_g, beta, state):
     f32 = mx.float32
     q, k, v, log_g, beta = (x.astype(f32) for x in (q, k, v, log_g, beta))
     if pad:  # padded steps keep the state (g = 1, beta = 0) and read nothing
-        zeros = [(0, 0), (0, pad)]
-        q = mx.pad(q, zeros + [(0, 0), (0, 0)])
-        k = mx.pad(k, zeros + [(0, 0), (0, 0)])
-        v = mx.pad(v, zeros + [(0, 0), (0, 0)])
-        log_g = mx.pad(log_g, zeros + [(0, 0)])
-        beta = mx.pad(beta, zeros + [(0, 0)])
+        q, k, v, log_g, beta = (mx.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+                                for x in (q, k, v, log_g, beta))
     N = (T + pad) // C
 
     def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...]
