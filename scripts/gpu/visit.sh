@@ -49,8 +49,10 @@ probe)  # the trainer's step per MoE kernel (scripts/gpu/train_probe.py), small 
 train)  # issue 13: both architectures at the small preset, side by side, with the probe's best kernels
   M=${MINUTES:-7.5}
   for arch in ${ARCHS:-qwen3_moe qwen3_next}; do
+    # the probe's best kernels, else TRAIN_FLAGS (a visit may skip the probe)
     flags=$(python3 -c "import json; b=json.load(open('/root/probe.json'))['best'].get('$arch', {}); \
-print(('--experts ' + b['experts'] if b else '') + (' --compile' if b.get('compile') else ''))" 2>/dev/null)
+print(('--experts ' + b['experts'] if b else '') + (' --compile' if b.get('compile') else ''))" 2>/dev/null \
+      || echo "${TRAIN_FLAGS:-}")
     log "train $arch $flags"
     infer train --arch $arch --preset small --corpus "${CORPUS:-/root/stash/corpus.txt}" --minutes "$M" --seed 0 \
       --dtype bfloat16 --no-judge --out "$W/t-$arch" --force $flags > "$OUT/train-$arch.log" 2>&1 &
@@ -65,23 +67,30 @@ trained)  # issues 13/15/17 on the trained small models: prep, routing, doctor, 
     log "prep $arch"; infer prep --model "$W/t-$arch" --out "$W/p-$arch" --calibrate "$cal" --force 2>&1 | tail -1
     log "routing $arch"; infer routing --model "$W/p-$arch" --text "$W/t-$arch/heldout.txt" --tokens 1024 \
       --json "$OUT/routing-$arch.json" 2>&1 | tail -14
+    # what `infer train` judges unless --no-judge: MTP acceptance, greedy samples
+    log "eval $arch"; timeout ${EVAL_S:-150} python3 -c "import json, sys; from infer.train_eval import evaluate; \
+json.dump(evaluate(sys.argv[1], open(sys.argv[1] + '/heldout.txt').read()), open(sys.argv[2], 'w'), indent=1)" \
+      "$W/t-$arch" "$OUT/eval-$arch.json" && grep -A1 '"mtp_acceptance"\|"rate"' "$OUT/eval-$arch.json"
   done
   first=$(set -- ${ARCHS:-qwen3_moe qwen3_next}; echo "$1")  # the budgets are benched on the first
-  log doctor; iod doctor --model "$W/p-$first" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"
-  for b in ${BUDGETS:-1.0 0.5 0.25 0.1}; do
+  budgets=${BUDGETS-1.0 0.5 0.25 0.1}  # BUDGETS= (empty): no benches
+  [ -z "$budgets" ] || { log doctor; iod doctor --model "$W/p-$first" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"; }
+  for b in $budgets; do
     if [ "$b" = 1.0 ]; then flags="--warm --modes resident,iod"; else flags="--modes sync,iod"; fi
     log "bench $first $b $flags"
     timeout ${BENCH_S:-100} python3 -m infer.bench --model "$W/p-$first" --budget "$b" --runs ${RUNS:-2} \
       --max-tokens 48 --prompt @pycode --raw-prompt $flags --json "$OUT/bench-$first-$b.json" 2>&1 | tail -6
   done ;;
-spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gram on code
+spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gram on code; both exact verifies
   P="$W/p-qwen3_next"
-  log mtp-resident; timeout ${SPEC_S:-120} python3 -m infer.bench --model "$P" --modes resident --runs 2 --draft mtp \
-    --num-draft 1,2,3 --prompt @prose --raw-prompt --max-tokens 64 --json "$OUT/spec-mtp-100.json" 2>&1 | tail -12
-  log mtp-25; timeout ${SPEC_S:-120} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 --runs 2 --draft mtp \
-    --num-draft 1,2,3 --prompt @prose --raw-prompt --max-tokens 64 --json "$OUT/spec-mtp-25.json" 2>&1 | tail -12
-  log ngram; timeout ${SPEC_S:-120} python3 -m infer.bench --model "$P" --modes resident --runs 2 --draft ngram \
-    --num-draft 2,4 --prompt @code --raw-prompt --max-tokens 64 --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12
+  S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify exact,rowwise"
+  log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft mtp \
+    --num-draft 1,2,3 --draft-check --prompt @prose --json "$OUT/spec-mtp-100.json" 2>&1 | tail -12
+  log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
+    --num-draft 1,2,3 --prompt @prose --json "$OUT/spec-mtp-25.json" 2>&1 | tail -12
+  log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft ngram \
+    --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12
+  log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
 overhead)  # where a streamed layer's time goes: tiny-trained qwen3_moe and the small preset (random)
   log prep-tiny; infer prep --model tests/models/tiny-trained-qwen3_moe --out "$W/tiny" --force --no-progress | tail -1
