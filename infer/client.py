@@ -252,6 +252,8 @@ class IodClient(ExpertSource):
 
     def _detach(self):
         """Drop the connection and mappings (not the private daemon)."""
+        if getattr(self, "_view", None) is not None:
+            self._unpin_cuda()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

@@ -912,7 +912,7 @@ def mismatch_rows(model, prompt_ids, n_tokens, k, verify="batched"):
     for _ in range(n_tokens):
         logits, _ = fwd(mx.array([[seq[-1]]]), cache)
         mx.eval(logits)
-        step_rows.append(np.array(logits[0, -1]))
+        step_rows.append(np.array(logits[0, -1].astype(mx.float32)))  # exact: numpy has no bfloat16
         seq.append(int(_greedy(logits)[0].item()))
     cache, batched_rows = prefill(), []
     if verify == "rowwise" and not supported(model, cache):
@@ -930,7 +930,7 @@ def mismatch_rows(model, prompt_ids, n_tokens, k, verify="batched"):
         else:
             logits, _ = fwd(mx.array(chunk)[None], cache)
         mx.eval(logits)
-        batched_rows.extend(np.array(logits[0]))
+        batched_rows.extend(np.array(logits[0].astype(mx.float32)))
     differ = sum(not np.array_equal(a, b) for a, b in zip(step_rows, batched_rows))
     argmax = sum(int(a.argmax() != b.argmax()) for a, b in zip(step_rows, batched_rows))
     maxdiff = max(float(np.abs(a - b).max()) for a, b in zip(step_rows, batched_rows))

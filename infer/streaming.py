@@ -80,16 +80,6 @@ def copy_mode() -> str:
     return "cuda" if native.cuda_available() else "staged"
 
 
-_pinned = {}  # address of a mapping -> its length: registered for CUDA copies
-
-
-def _pin_for_cuda(buf):
-    """Register the arena's mapping as pinned memory once (DMA at full speed)."""
-    addr = native.address(buf)
-    if addr not in _pinned:
-        _pinned[addr] = len(buf) if native.cuda_register(buf, True) else 0
-
-
 class LayerStack:
     """A layer's cached experts, stacked per tensor at fixed positions.
 
@@ -190,7 +180,8 @@ class LayerStack:
         keys = list(self.arrays)
         direct = [i for i, kind in enumerate(self.kinds) if kind is not None]
         if direct and self.mode == "cuda":
-            _pin_for_cuda(batch.buf)
+            if batch.source is not None:
+                batch.source.pin_for_cuda()
             rows = []
             for ti in direct:
                 s = self.layout.segments[ti]
@@ -517,7 +508,7 @@ class ExpertStore:
             placed = [i for i, e in enumerate(batch.experts) if places[e] is not None]
             if placed:
                 sub = Batch(batch.buf, [batch.experts[i] for i in placed],
-                            batch.offsets[placed], [batch.sizes[i] for i in placed])
+                            batch.offsets[placed], [batch.sizes[i] for i in placed], batch.source)
                 stack.copy_in(sub, [places[e] for e in sub.experts])
             rest = [i for i, e in enumerate(batch.experts) if places[e] is None]
             if rest:

@@ -119,5 +119,6 @@ class InprocSource(ExpertSource):
         self.pool.stop()
         self._complete(block=False)
         self.core.shutdown("closed")
+        self._unpin_cuda()
         self._memory.close(unlink=False)
 

@@ -36,13 +36,15 @@ class SourceError(RuntimeError):
 
 class Batch:
     """Records pinned for one copy: ``experts[i]``'s record lies at
-    ``offsets[i]`` in ``buf`` (the arena), ``sizes[i]`` bytes long."""
+    ``offsets[i]`` in ``buf`` (the arena), ``sizes[i]`` bytes long.
+    ``source``: the session whose mapping ``buf`` is (None: a plain buffer)."""
 
-    def __init__(self, buf, experts, offsets, sizes):
+    def __init__(self, buf, experts, offsets, sizes, source=None):
         self.buf = buf
         self.experts = experts
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.sizes = sizes
+        self.source = source
 
     def __len__(self):
         return len(self.experts)
@@ -72,6 +74,7 @@ class ExpertSource:
             self._first[l.layer] = entry
             entry += l.num_experts
         self.layer_calls = 0  # layer calls so far: prefetches say when they are due
+        self._cuda_pinned = False
 
     def _reset_counters(self):
         self.counters = dict.fromkeys(
@@ -153,7 +156,7 @@ class ExpertSource:
                                       f"{len(missing)} records", None, layer)
                 sizes = [self._record_bytes[layer]] * len(got) + [r.size for r in refs]
                 offsets = [self.layout.data(s) for s in pinned]
-                sink(Batch(self._arena, experts_now, offsets, sizes))
+                sink(Batch(self._arena, experts_now, offsets, sizes, self))
                 self.counters["bytes_copied"] += sum(sizes)
             finally:
                 self._unpin(pinned)
@@ -176,6 +179,19 @@ class ExpertSource:
         """Experts of ``layer`` ready in the arena right now."""
         l = self._num_experts[layer]
         return [e for e in range(l) if self._is_ready(layer, e)]
+
+    def pin_for_cuda(self) -> None:
+        """Register this mapping of the arena as pinned host memory (cudaMemcpy
+        at DMA speed), once; ``_unpin_cuda`` undoes it before the mapping goes.
+        A registration that outlived its mapping would make copies from a later
+        mapping at the same address read the old pages."""
+        if not self._cuda_pinned:
+            self._cuda_pinned = native.cuda_register(self._arena, True)
+
+    def _unpin_cuda(self):
+        if getattr(self, "_cuda_pinned", False):
+            native.cuda_unregister(self._arena)
+            self._cuda_pinned = False
 
     # ---- helpers --------------------------------------------------------------------
 

@@ -261,15 +261,18 @@ def test_rollback_matches_fresh_run(nxt, keep):
     assert np.array_equal(np.array(fwd(mx.array([[33]]), cache)[0]), np.array(a))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
-def test_rowwise_rows_equal_one_token_steps(prep_model, arch):
+@pytest.mark.parametrize("arch,dtype", [("qwen3_moe", None), ("qwen3_next", None),
+                                        ("qwen3_next", "bfloat16")])
+def test_rowwise_rows_equal_one_token_steps(prep_model, arch, dtype):
     """A row-wise pass's logits are the one-token steps' bits (on this CPU the
-    plain batched pass is too, for these archs: docs/speculative.md); a model
+    plain batched pass is too, for these archs: docs/speculative.md), in
+    bfloat16 too (compared through float32, which holds it exactly); a model
     whose attention takes another path for several rows (deepseek_v3's
     absorbed MLA) is refused, not computed inexactly."""
     prep = prep_model(arch)
     source = InprocSource(prep, arena=64 << 20)
-    model, _, _ = load_streaming(prep, source, cache_bytes=1 << 18)
+    model, _, _ = load_streaming(prep, source, cache_bytes=1 << 18,
+                                 dtype=getattr(mx, dtype) if dtype else None)
     for k in (1, 3):
         rows, differ, ids, _ = mismatch_rows(model, PROMPTS[1], 24, k, "rowwise")
         assert rows == 24 and differ == 0 and ids == 0
