@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|trained|spec|overhead|split
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|trained|spec|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -92,6 +92,11 @@ spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gr
     --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
+tinyspec)  # exactness of drafting under streaming on the GPU, on the committed tiny-trained qwen3_next
+  log prep; infer prep --model tests/models/tiny-trained-qwen3_next --out "$W/tn" --force --no-progress | tail -1
+  log bench; timeout ${SPEC_S:-400} python3 -m infer.bench --model "$W/tn" --modes resident,sync,iod --budget 0.25 \
+    --runs 1 --raw-prompt --max-tokens 8 --draft-tokens 48 --verify exact,rowwise --draft mtp --num-draft 1,2 \
+    --draft-check --prompt @prose --json "$OUT/tinyspec.json" 2>&1 | tail -16 ;;
 overhead)  # where a streamed layer's time goes: tiny-trained qwen3_moe and the small preset (random)
   log prep-tiny; infer prep --model tests/models/tiny-trained-qwen3_moe --out "$W/tiny" --force --no-progress | tail -1
   if [ ! -f "$W/small/manifest.json" ]; then
