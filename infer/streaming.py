@@ -282,7 +282,8 @@ class ExpertStore:
         """Zeroed figures and prediction scores (the cache stays)."""
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0,
                       "prefetched": 0, "prefetched_bytes": 0, "prefetch_used": 0,
-                      "prefetch_unused": 0, "prefetch_unused_bytes": 0}
+                      "prefetch_unused": 0, "prefetch_unused_bytes": 0,
+                      "hits_first": 0}  # calls that computed cached experts while reading
         # per depth: [true positives, predicted, actual]
         self.prediction = [[0, 0, 0] for _ in range(max(self.depth, 3) + 1)]
         self._predicted = {}  # layer -> {depth: (set of experts, prefetchable)}
@@ -395,6 +396,11 @@ class ExpertStore:
             self._hinted.setdefault(layer, set()).update(sent)
             self.stats["prefetched"] += len(sent)
             self.stats["prefetched_bytes"] += len(sent) * self.layouts[layer].record_bytes
+
+    def start_reads(self, layer, experts):
+        """Have the source start reading ``experts`` (a call's misses) now, so
+        they arrive while the call computes its cached experts."""
+        self._call("prefetch", layer, experts, 0)
 
     def read_rate(self):
         """Bytes/s reads are planned with: the profiled disk's, else the rate
@@ -636,12 +642,20 @@ class StreamingExperts(nn.Module):
         unique = sorted(set(ids.ravel().tolist()))
         store.clock(len(unique) <= 2 * ids.shape[-1])
         store.prefetch(guesses)
+        early = self._hits_first(x, ids, unique)
         arrays, positions = store.gather(layer, unique)
         store._end_call()
         self._bind(arrays)
         lut = self._lut  # entries of other experts are stale, and unread
         lut[unique] = positions
-        y = self._inner(x, mx.array(lut[ids]))
+        if early is None:
+            y = self._inner(x, mx.array(lut[ids]))
+        else:
+            hit, y_hit = early
+            miss = np.flatnonzero(~hit)
+            y_miss = self._inner(x, mx.array(lut[ids[..., miss]]))
+            order = np.argsort(np.concatenate([np.flatnonzero(hit), miss]))
+            y = mx.take(mx.concatenate([y_hit, y_miss], axis=-2), mx.array(order), axis=-2)
         if prof:  # stall and copy spans lie inside: the summary takes them out
             prof.span("host", layer, t2, time.monotonic_ns())
         stack = store.stacks[layer]
@@ -651,6 +665,26 @@ class StreamingExperts(nn.Module):
             # next call (one per layer adds up to several layers' experts)
             self._bind(stack.arrays)
         return y
+
+    def _hits_first(self, x, ids, unique):
+        """One token whose experts are partly cached: start reading the others
+        and compute the cached ones meanwhile. Returns (hit mask over the
+        token's experts, their outputs, being evaluated), or None. Exact: each
+        (token, expert) product is computed on its own either way."""
+        store = self._store
+        stack = store.stacks.get(self._layout.layer)
+        if stack is None or ids.size != ids.shape[-1] or len(unique) > stack.capacity:
+            return None
+        hit = np.array([e in stack for e in ids.ravel().tolist()])
+        if hit.all() or not hit.any():
+            return None
+        store.start_reads(self._layout.layer, [e for e in unique if e not in stack])
+        store.stats["hits_first"] += 1
+        self._bind(stack.arrays)
+        pos = np.array([stack.position[e] for e in ids.ravel()[hit].tolist()], dtype=np.uint32)
+        y_hit = self._inner(x, mx.array(pos.reshape(*ids.shape[:-1], -1)))
+        mx.async_eval(y_hit)
+        return hit, y_hit
 
     def _bind(self, arrays):
         """Point the inner module's tensors at ``arrays``: set only where they

@@ -53,6 +53,9 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
         if cache_fraction == 0.0:
             # a cache that holds only the current layer misses nearly always
             assert store.stats["misses"] > store.stats["hits"]
+        elif cache_fraction == 0.15:
+            # tokens with some experts cached computed them while the rest were read
+            assert store.stats["hits_first"] > 0
         elif cache_fraction == 1.0:
             # a cache that holds every expert reads each at most once
             assert store.stats["misses"] <= sum(l.num_experts for l in source.manifest.layers)
