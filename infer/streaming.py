@@ -641,8 +641,8 @@ class StreamingExperts(nn.Module):
         ids = np.array(indices)
         unique = sorted(set(ids.ravel().tolist()))
         store.clock(len(unique) <= 2 * ids.shape[-1])
+        early = self._hits_first(x, ids, unique)  # this layer's reads go first
         store.prefetch(guesses)
-        early = self._hits_first(x, ids, unique)
         arrays, positions = store.gather(layer, unique)
         store._end_call()
         self._bind(arrays)
