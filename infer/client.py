@@ -252,8 +252,7 @@ class IodClient(ExpertSource):
 
     def _detach(self):
         """Drop the connection and mappings (not the private daemon)."""
-        if getattr(self, "_view", None) is not None:
-            self._unpin_cuda()
+        self._unpin_cuda()  # before its mapping goes
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
