@@ -14,7 +14,7 @@ from mlx_lm import load as mlx_load
 
 import native
 from infer import streaming
-from infer.bench import decode, forced_ids
+from infer.bench import decode
 from infer.loader import load_streaming
 from iod.inproc import InprocSource
 
@@ -25,7 +25,7 @@ class FakeCuda:
     DMA would read the pages that registration pinned."""
 
     def __init__(self):
-        self.live = {}  # address -> (length, the registered buffer)
+        self.live = {}  # address -> the buffer registered there
         self.registered = 0
         self.copies = 0
         self.stale = 0
@@ -34,7 +34,7 @@ class FakeCuda:
         addr = native.address(buf)
         if addr in self.live:
             return False  # cudaErrorHostMemoryAlreadyRegistered
-        self.live[addr] = (len(buf), buf)
+        self.live[addr] = buf
         self.registered += 1
         return True
 
@@ -44,7 +44,7 @@ class FakeCuda:
     def copy(self, src, plan):
         base = native.address(src)
         pinned = self.live.get(base)
-        if pinned is not None and pinned[1] is not src:
+        if pinned is not None and pinned is not src:
             self.stale += 1
         for dst, off, n in plan.reshape(-1, 3).tolist():
             ctypes.memmove(dst, base + off, n)
