@@ -248,6 +248,10 @@ class ExpertStore:
     breadth it chose per layer and depth.
     """
 
+    # rows (tokens) of a decode-sized call: one token, or a verify pass of up
+    # to 7 drafts; a longer call is a prefill, whose next layers need most
+    # experts anyway (reading them all ahead would crowd out demand)
+    DECODE_ROWS = 8
     MIN_PRECISION = 0.25  # of guesses, for prefetch to go on (see prefetch_pays)
     PREFETCH_WARMUP = 64  # guessed experts scored before the precision decides
     GATE_DECAY = 0.99  # per scored guess set: the gate follows the last ~100
@@ -360,9 +364,7 @@ class ExpertStore:
         for layer, d, ids, use in guesses:
             rows = np.array(ids).reshape(-1, ids.shape[-1])
             wanted = set(rows.ravel().tolist())
-            # a prefill-sized call: its next layers need most experts anyway,
-            # and reading them all ahead would crowd out demand
-            small = len(wanted) <= 2 * max(self.routers[layer][1], rows.shape[-1])
+            small = rows.shape[0] <= self.DECODE_ROWS
             self._predicted.setdefault(layer, {})[d] = (wanted, small)
             if not small or not self.prefetch_pays(d):
                 continue  # still scored: prefetch resumes if guesses improve
@@ -640,7 +642,7 @@ class StreamingExperts(nn.Module):
             prof.span("compute", layer, t1, t2)
         ids = np.array(indices)
         unique = sorted(set(ids.ravel().tolist()))
-        store.clock(len(unique) <= 2 * ids.shape[-1])
+        store.clock(ids.size // ids.shape[-1] <= store.DECODE_ROWS)
         early = self._hits_first(x, ids, unique)  # this layer's reads go first
         store.prefetch(guesses)
         arrays, positions = store.gather(layer, unique)

@@ -155,6 +155,30 @@ def test_unused_prefetch_is_counted(calibrated):
         source.close()
 
 
+def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
+    """A verify pass of 4 tokens guesses 32 distinct experts (more than twice
+    a token's 8): still decode-sized, so its guesses are read ahead; a
+    32-token prefill's guesses are scored, not read."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
+        verify = mx.arange(32).reshape(1, 4, 8)
+        store.prefetch([(1, 1, verify, None)])
+        assert store.stats["prefetched"] == 32
+        prefill = mx.arange(32 * 8).reshape(1, 32, 8) % 64
+        store.prefetch([(2, 1, prefill, None)])
+        assert store.stats["prefetched"] == 32
+        assert store._predicted[2][1] == (set(range(64)), False)
+    finally:
+        source.close()
+
+
 def test_plan_reads_what_fits_in_time():
     """Most likely first; within D layer calls no more than reads_in(D)
     records; guesses used less than MIN_USE never; deeper depths only when the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|trained|spec|tinyspec|overhead|split
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -59,19 +59,24 @@ print(('--experts ' + b['experts'] if b else '') + (' --compile' if b.get('compi
   done
   wait
   for arch in ${ARCHS:-qwen3_moe qwen3_next}; do cp "$W/t-$arch/train.json" "$OUT/train-$arch.json"; tail -3 "$OUT/train-$arch.log"; done ;;
-trained)  # issues 13/15/17 on the trained small models: prep, routing, doctor, budgets, drafts
-  cal=$W/calibrate.txt  # training-distribution text (the corpus holds the stdlib), not the held-out text
-  lib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
-  cat "$lib"/json/encoder.py "$lib"/textwrap.py "$lib"/shlex.py "$lib"/fractions.py > "$cal"
-  for arch in ${ARCHS:-qwen3_moe qwen3_next}; do
-    log "prep $arch"; infer prep --model "$W/t-$arch" --out "$W/p-$arch" --calibrate "$cal" --force 2>&1 | tail -1
-    log "routing $arch"; infer routing --model "$W/p-$arch" --text "$W/t-$arch/heldout.txt" --tokens 1024 \
-      --json "$OUT/routing-$arch.json" 2>&1 | tail -14
-    # what `infer train` judges unless --no-judge: MTP acceptance, greedy samples
-    log "eval $arch"; timeout ${EVAL_S:-150} python3 -c "import json, sys; from infer.train_eval import evaluate; \
+prep|trained|budgets)  # issues 13/15/17 on the trained small models: prep, routing, judging, budgets
+  # prep: the prep folders alone; budgets: the benches alone (prep folders made before)
+  if [ "$1" != budgets ]; then
+    cal=$W/calibrate.txt  # training-distribution text (the corpus holds the stdlib), not the held-out text
+    lib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+    cat "$lib"/json/encoder.py "$lib"/textwrap.py "$lib"/shlex.py "$lib"/fractions.py > "$cal"
+    for arch in ${ARCHS:-qwen3_moe qwen3_next}; do
+      log "prep $arch"; infer prep --model "$W/t-$arch" --out "$W/p-$arch" --calibrate "$cal" --force 2>&1 | tail -1
+      [ "$1" = prep ] && continue
+      log "routing $arch"; infer routing --model "$W/p-$arch" --text "$W/t-$arch/heldout.txt" --tokens 1024 \
+        --json "$OUT/routing-$arch.json" 2>&1 | tail -14
+      # what `infer train` judges unless --no-judge: MTP acceptance, greedy samples
+      log "eval $arch"; timeout ${EVAL_S:-150} python3 -c "import json, sys; from infer.train_eval import evaluate; \
 json.dump(evaluate(sys.argv[1], open(sys.argv[1] + '/heldout.txt').read()), open(sys.argv[2], 'w'), indent=1)" \
-      "$W/t-$arch" "$OUT/eval-$arch.json" && grep -A1 '"mtp_acceptance"\|"rate"' "$OUT/eval-$arch.json"
-  done
+        "$W/t-$arch" "$OUT/eval-$arch.json" && grep -A1 '"mtp_acceptance"\|"rate"' "$OUT/eval-$arch.json"
+    done
+  fi
+  [ "$1" = prep ] && exit 0
   first=$(set -- ${ARCHS:-qwen3_moe qwen3_next}; echo "$1")  # the budgets are benched on the first
   budgets=${BUDGETS-1.0 0.5 0.25 0.1}  # BUDGETS= (empty): no benches
   [ -z "$budgets" ] || { log doctor; iod doctor --model "$W/p-$first" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"; }
@@ -83,13 +88,14 @@ json.dump(evaluate(sys.argv[1], open(sys.argv[1] + '/heldout.txt').read()), open
   done ;;
 spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gram on code; both exact verifies
   P="$W/p-qwen3_next"
-  S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify exact,rowwise"
-  log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft mtp \
-    --num-draft 1,2,3 --draft-check --prompt @prose --json "$OUT/spec-mtp-100.json" 2>&1 | tail -12
-  log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
-    --num-draft 1,2,3 --prompt @prose --json "$OUT/spec-mtp-25.json" 2>&1 | tail -12
-  log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft ngram \
-    --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12
+  S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify ${VERIFY:-exact,rowwise}"
+  want() { case " ${SPECS:-mtp-25 mtp-resident ngram} " in *" $1 "*) return 0;; esac; return 1; }
+  want mtp-25 && { log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
+    --num-draft 1,2,3 --prompt @prose --json "$OUT/spec-mtp-25.json" 2>&1 | tail -12; }
+  want mtp-resident && { log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft mtp \
+    --num-draft 1,2,3 --draft-check --prompt @prose --json "$OUT/spec-mtp-100.json" 2>&1 | tail -12; }
+  want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft ngram \
+    --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
 tinyspec)  # exactness of drafting under streaming on the GPU, on the committed tiny-trained qwen3_next
