@@ -280,6 +280,9 @@ class ExpertStore:
         self.disk_ceiling = None  # iod doctor's best rate for that disk (bytes/s)
         self.layer_s = None  # decayed compute time per MoE layer (decode-sized calls)
         self._recent = {}  # layer -> the experts of its last decode-sized call
+        # a token computes its cached experts while its misses are read
+        # (StreamingExperts._hits_first); False: all after the reads
+        self.hits_first = True
         self.reset_stats()
 
     def reset_stats(self):
@@ -675,7 +678,8 @@ class StreamingExperts(nn.Module):
         (token, expert) product is computed on its own either way."""
         store = self._store
         stack = store.stacks.get(self._layout.layer)
-        if stack is None or ids.size != ids.shape[-1] or len(unique) > stack.capacity:
+        if (not store.hits_first or stack is None or ids.size != ids.shape[-1]
+                or len(unique) > stack.capacity):
             return None
         hit = np.array([e in stack for e in ids.ravel().tolist()])
         if hit.all() or not hit.any():

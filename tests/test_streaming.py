@@ -56,6 +56,13 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
         elif cache_fraction == 0.15:
             # tokens with some experts cached computed them while the rest were read
             assert store.stats["hits_first"] > 0
+            # and the same ids with that overlap off
+            source = InprocSource(prep, arena=64 << 20)
+            model, _, store = load_streaming(prep, source, int(expert_bytes * cache_fraction))
+            store.hits_first = False
+            assert greedy(model, ids) == expected, f"{arch} cache {cache_fraction}, no hits first"
+            assert store.stats["hits_first"] == 0
+            source.close()
         elif cache_fraction == 1.0:
             # a cache that holds every expert reads each at most once
             assert store.stats["misses"] <= sum(l.num_experts for l in source.manifest.layers)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|tinyspec|overhead|split
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -98,6 +98,15 @@ spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gr
     --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
+hitsab)  # A/B of a token's cached experts computed while its misses are read (--no-hits-first)
+  log prep-tiny; infer prep --model tests/models/tiny-trained-qwen3_moe --out "$W/tiny" --force --no-progress | tail -1
+  log warm; infer run --model "$W/tiny" --max-tokens 4 --prompt Hello > /dev/null
+  # one bench (2 modes x 2 runs of 64 tokens) took over 60 s on the H200: 8 do not fit a call
+  for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.5 0.25}; do for f in "" --no-hits-first; do
+    log "round $r budget $b ${f:-hits-first}"
+    timeout ${BENCH_S:-120} python3 -m infer.bench --model "$W/tiny" --budget "$b" --modes sync,iod --runs 2 \
+      --max-tokens 64 $f --json "$OUT/ab-$r-$b${f:+-off}.json" 2>&1 | tail -3
+  done; done; done ;;
 tinyspec)  # exactness of drafting under streaming on the GPU, on the committed tiny-trained qwen3_next
   log prep; infer prep --model tests/models/tiny-trained-qwen3_next --out "$W/tn" --force --no-progress | tail -1
   log bench; timeout ${SPEC_S:-400} python3 -m infer.bench --model "$W/tn" --modes resident,sync,iod --budget 0.25 \
