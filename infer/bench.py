@@ -59,9 +59,9 @@ def build_parser():
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
                    help="deepest prediction (layers ahead); prefetch reads at the depths and "
                         "breadths the measured precision, read rate and compute time pay for")
-    p.add_argument("--no-hits-first", action="store_true",
-                   help="streamed modes: compute a token's cached experts after its misses are "
-                        "read, not while (an A/B of that overlap)")
+    p.add_argument("--hits-first", choices=("auto", "on", "off"), default="auto",
+                   help="streamed modes: compute a token's cached experts while its misses are "
+                        "read (auto: on the CPU only)")
     p.add_argument("--warm", action="store_true",
                    help="time a long session's steady state: fill the expert cache, run the "
                         "prompt and text once untimed, then time them again (caches kept)")
@@ -365,7 +365,8 @@ def worker(args) -> dict:
         model, tokenizer, store = load_streaming(args.model, None, cache_bytes, dtype=mx_dtype(args.dtype),
                                                  mtp_cache=drafts_with_mtp(args.draft, args.model), group=g)
         store.depth = depth
-        store.hits_first = not args.no_hits_first
+        if args.hits_first != "auto":
+            store.hits_first = args.hits_first == "on"
         if args.read_rate:  # reads are capped: plan prefetch with the cap
             store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
 
@@ -472,6 +473,7 @@ def worker(args) -> dict:
         "prefetched_bytes": last["prefetched_bytes"],
         "prefetch_unused_bytes": last["prefetch_unused_bytes"],
         # calls that computed their cached experts while their misses were read
+        "hits_first": store.hits_first,
         "hits_first_calls": last["hits_first_calls"],
         # the reader's view (whole run): reads started as prefetches, and
         # prefetched records evicted from the staging arena unused
@@ -501,8 +503,7 @@ def _worker_argv(args, mode, out, extra=()):
         argv.append("--free-run")
     if args.warm:
         argv.append("--warm")
-    if args.no_hits_first:
-        argv.append("--no-hits-first")
+    argv += ["--hits-first", args.hits_first]
     if args.raw_prompt:
         argv.append("--raw-prompt")
     if args.arena:

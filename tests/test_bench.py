@@ -45,21 +45,23 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
         assert 0 <= m["prefetch_unused_bytes"] <= m["prefetched_bytes"]
         assert "prefetch_reads" in m["source_counters"]
     assert "iod" in r.stdout and "belady" in r.stdout and "unused MB" in r.stdout
+    assert report["modes"]["sync"]["hits_first"] is True  # auto: on, on the CPU
     assert report["modes"]["sync"]["hits_first_calls"] > 0
 
 
 def test_bench_without_hits_first(prep_model, tmp_path):
-    """--no-hits-first: no call computes its cached experts before its reads;
-    the ids stay the same."""
+    """--hits-first off: no call computes its cached experts before its
+    reads; the ids stay the same."""
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep_model("qwen3_moe")),
                         "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--modes",
-                        "resident,sync", "--no-hits-first", "--json", str(out)],
+                        "resident,sync", "--hits-first", "off", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["tokens_equal"] is True
-    assert report["modes"]["sync"]["hits_first_calls"] == 0 and report["modes"]["sync"]["misses"] > 0
+    sync = report["modes"]["sync"]
+    assert sync["hits_first"] is False and sync["hits_first_calls"] == 0 and sync["misses"] > 0
 
 
 def test_bench_sessions_share_one_daemon(prep_model, tmp_path):

@@ -98,14 +98,14 @@ spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gr
     --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
-hitsab)  # A/B of a token's cached experts computed while its misses are read (--no-hits-first)
+hitsab)  # A/B of a token's cached experts computed while its misses are read (--hits-first on|off)
   log prep-tiny; infer prep --model tests/models/tiny-trained-qwen3_moe --out "$W/tiny" --force --no-progress | tail -1
   log warm; infer run --model "$W/tiny" --max-tokens 4 --prompt Hello > /dev/null
   # one bench (2 modes x 2 runs of 64 tokens) took over 60 s on the H200: 8 do not fit a call
-  for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.5 0.25}; do for f in "" --no-hits-first; do
-    log "round $r budget $b ${f:-hits-first}"
+  for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.5 0.25}; do for f in on off; do
+    log "round $r budget $b hits-first $f"
     timeout ${BENCH_S:-120} python3 -m infer.bench --model "$W/tiny" --budget "$b" --modes sync,iod --runs 2 \
-      --max-tokens 64 $f --json "$OUT/ab-$r-$b${f:+-off}.json" 2>&1 | tail -3
+      --max-tokens 64 --hits-first $f --json "$OUT/ab-$r-$b-$f.json" 2>&1 | tail -3
   done; done; done ;;
 tinyspec)  # exactness of drafting under streaming on the GPU, on the committed tiny-trained qwen3_next
   log prep; infer prep --model tests/models/tiny-trained-qwen3_next --out "$W/tn" --force --no-progress | tail -1
