@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|tinyspec|overhead|split
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -107,6 +107,16 @@ hitsab)  # A/B of a token's cached experts computed while its misses are read (-
     timeout ${BENCH_S:-120} python3 -m infer.bench --model "$W/tiny" --budget "$b" --modes sync,iod --runs 2 \
       --max-tokens 64 --hits-first $f --json "$OUT/ab-$r-$b-$f.json" 2>&1 | tail -3
   done; done; done ;;
+ship)  # bring a folder of $W back in pieces: PART=0 packs and sends pieces 0-3, PART=4 sends 4-7, ...
+  # (a call returns at most 64 MiB; here: cat part.* | tar xf -, in name order, after sha256sum -c)
+  src=${SHIP:-t-qwen3_next}
+  if [ "${PART:-0}" = 0 ]; then
+    rm -rf /root/parts && mkdir -p /root/parts
+    tar cf - -C "$W" "$src" | split -b 16000000 -a 3 -d - /root/parts/part.
+    ls /root/parts | wc -l > "$OUT/count.txt"; sha256sum /root/parts/part.* > "$OUT/sha256.txt"
+  fi
+  ls /root/parts | sed -n "$((PART + 1)),$((PART + 4))p" | while read -r f; do cp "/root/parts/$f" "$(dirname "$PACKED")/"; done
+  echo "pieces $(ls /root/parts | wc -l), sent from $PART" ;;
 tinyspec)  # exactness of drafting under streaming on the GPU, on the committed tiny-trained qwen3_next
   log prep; infer prep --model tests/models/tiny-trained-qwen3_next --out "$W/tn" --force --no-progress | tail -1
   log bench; timeout ${SPEC_S:-400} python3 -m infer.bench --model "$W/tn" --modes resident,sync,iod --budget 0.25 \
