@@ -279,7 +279,7 @@ class ExpertStore:
         self.disk_rate = None
         self.disk_ceiling = None  # iod doctor's best rate for that disk (bytes/s)
         self.layer_s = None  # decayed compute time per MoE layer (decode-sized calls)
-        self._recent = {}  # layer -> the experts of its last decode-sized call
+        self._recent = {}  # layer -> the experts of its last call of one token's size (<= 2 top-k)
         # a token computes its cached experts while its misses are read
         # (StreamingExperts._hits_first), where that pays: on the CPU, where
         # they take milliseconds (iod/resident 0.73 -> 0.84 at 25%); on a GPU

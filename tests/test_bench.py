@@ -18,7 +18,8 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
     prep = prep_model("qwen3_moe")
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep),
-                        "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--json", str(out)],
+                        "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--hits-first", "on",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
@@ -45,7 +46,7 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
         assert 0 <= m["prefetch_unused_bytes"] <= m["prefetched_bytes"]
         assert "prefetch_reads" in m["source_counters"]
     assert "iod" in r.stdout and "belady" in r.stdout and "unused MB" in r.stdout
-    assert report["modes"]["sync"]["hits_first"] is True  # auto: on, on the CPU
+    assert report["modes"]["sync"]["hits_first"] is True
     assert report["modes"]["sync"]["hits_first_calls"] > 0
 
 

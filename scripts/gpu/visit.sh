@@ -91,9 +91,9 @@ spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gr
   S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify ${VERIFY:-exact,rowwise}"
   want() { case " ${SPECS:-mtp-25 mtp-resident ngram} " in *" $1 "*) return 0;; esac; return 1; }
   want mtp-25 && { log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
-    --num-draft 1,2,3 --prompt @prose --json "$OUT/spec-mtp-25.json" 2>&1 | tail -12; }
+    --num-draft 1,2,3 --prompt @prose --json "$OUT/spec-mtp-25-${VERIFY:-both}.json" 2>&1 | tail -12; }
   want mtp-resident && { log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft mtp \
-    --num-draft 1,2,3 --draft-check --prompt @prose --json "$OUT/spec-mtp-100.json" 2>&1 | tail -12; }
+    --num-draft 1,2,3 --draft-check --prompt @prose --json "$OUT/spec-mtp-100-${VERIFY:-both}.json" 2>&1 | tail -12; }
   want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft ngram \
     --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
@@ -110,13 +110,14 @@ hitsab)  # A/B of a token's cached experts computed while its misses are read (-
 ship)  # bring a folder of $W back in pieces: PART=0 packs and sends pieces 0-3, PART=4 sends 4-7, ...
   # (a call returns at most 64 MiB; here: cat part.* | tar xf -, in name order, after sha256sum -c)
   src=${SHIP:-t-qwen3_next}
-  if [ "${PART:-0}" = 0 ]; then
+  part=${PART:-0}
+  if [ "$part" = 0 ]; then
     rm -rf /root/parts && mkdir -p /root/parts
     tar cf - -C "$W" "$src" | split -b 16000000 -a 3 -d - /root/parts/part.
-    ls /root/parts | wc -l > "$OUT/count.txt"; sha256sum /root/parts/part.* > "$OUT/sha256.txt"
+    ls /root/parts | wc -l > "$OUT/count.txt"; (cd /root/parts && sha256sum part.*) > "$OUT/sha256.txt"
   fi
-  ls /root/parts | sed -n "$((PART + 1)),$((PART + 4))p" | while read -r f; do cp "/root/parts/$f" "$(dirname "$PACKED")/"; done
-  echo "pieces $(ls /root/parts | wc -l), sent from $PART" ;;
+  ls /root/parts | sed -n "$((part + 1)),$((part + 4))p" | while read -r f; do cp "/root/parts/$f" "$(dirname "$PACKED")/"; done
+  echo "pieces $(ls /root/parts | wc -l), sent from $part" ;;
 tinyspec)  # exactness of drafting under streaming on the GPU, on the committed tiny-trained qwen3_next
   log prep; infer prep --model tests/models/tiny-trained-qwen3_next --out "$W/tn" --force --no-progress | tail -1
   log bench; timeout ${SPEC_S:-400} python3 -m infer.bench --model "$W/tn" --modes resident,sync,iod --budget 0.25 \
