@@ -472,7 +472,8 @@ def worker(args) -> dict:
         "stall_s_per_token": med(r["stall_s_per_token"] for r in runs),
         "prefetched_bytes": last["prefetched_bytes"],
         "prefetch_unused_bytes": last["prefetch_unused_bytes"],
-        # calls that computed their cached experts while their misses were read
+        # whether a call computes its cached experts while its misses are read,
+        # and the calls that did
         "hits_first": store.hits_first,
         "hits_first_calls": last["hits_first_calls"],
         # the reader's view (whole run): reads started as prefetches, and
