@@ -133,19 +133,20 @@ overhead)  # where a streamed layer's time goes: tiny-trained qwen3_moe and the 
   log doctor; iod doctor --model "$W/small" --seconds 1 --rounds 2 --json > "$OUT/doctor-small.json"
   [ -n "${NO_WARM:-}" ] || for m in tiny small; do log "warm $m"; time infer run --model "$W/$m" --max-tokens 4 --prompt Hello > /dev/null; done
   ;;
-split)  # the profile's split of a decode token, and the per-layer cost in bench
+split)  # the profile's split of a decode token, and the per-layer cost in bench (NO_BENCH=1: profiles alone)
   for m in ${MODELS:-tiny small}; do
     log "profile $m"
     timeout 120 python3 -m infer.cli run --model "$W/$m" --prompt "def fibonacci(n):" --max-tokens ${TOKENS:-48} \
       --json --profile "$OUT/prof-$m" > "$OUT/run-$m.json" 2> "$OUT/run-$m.err"
     sed -n '/A decode token/,/^| [0-9]/p' "$OUT/prof-$m/summary.md"
   done
+  [ -n "${NO_BENCH:-}" ] || {
   log "bench tiny"
   timeout 150 python3 -m infer.bench --model "$W/tiny" --budget 0.5 --modes resident,sync,iod \
     --runs 3 --max-tokens 64 --json "$OUT/bench-tiny.json" 2>&1 | tail -4
   log "bench small"
   timeout 150 python3 -m infer.bench --model "$W/small" --budget 0.5 --modes sync,iod \
-    --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3
+    --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3; }
   log "kernels"
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
 esac
