@@ -8,6 +8,7 @@ nested maps included, and refuses msgpack ExtTypes; anything else raises
 """
 
 import dataclasses
+import threading
 import typing
 
 import msgpack
@@ -36,9 +37,18 @@ def _no_ext(code, data):
     raise DecodeError(f"msgpack ExtType {code} refused")
 
 
+_local = threading.local()
+
+
 def encode(msg) -> list:
     kind = _KIND_OF[type(msg)]
-    return [bytes([kind]), msgpack.packb(_plain(msg), use_bin_type=True)]
+    # one Packer per thread, reused: msgpack.packb builds a fresh one and its
+    # buffer per message, measured at ~135 us a message in a session whose
+    # other threads run MLX, against ~2 us reused
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return [bytes([kind]), packer.pack(_plain(msg))]
 
 
 def _plain(value):

@@ -113,3 +113,28 @@ def test_frozen():
     m = P.Ok(1, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.count = 3
+
+
+def test_reused_packer_leaves_nothing_behind():
+    # encode reuses one msgpack Packer per thread: a message that fails to
+    # pack must not leave bytes for the next, and threads must not share it
+    import threading
+
+    msg = _sample(P.Prefetch)
+    want = msgpack.packb(codec._plain(msg), use_bin_type=True)
+    with pytest.raises(TypeError):
+        codec.encode(dataclasses.replace(msg, experts=[1, object()]))
+    assert codec.encode(msg)[1] == want
+    out = []
+
+    def worker():
+        for i in range(200):
+            m = dataclasses.replace(msg, req_id=i)
+            out.append(codec.decode(codec.encode(m)) == m)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 800 and all(out)
