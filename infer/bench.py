@@ -186,6 +186,8 @@ def decode(model, prompt_ids, follow, n, store=None):
         delta = {k: v - before[k] for k, v in store.stats.items() if k in before}
         out["stall_s"] = delta["stall_s"]
         out["stall_s_per_token"] = delta["stall_s"] / steps
+        out["copy_s"] = delta["copy_s"]
+        out["copy_s_per_token"] = delta["copy_s"] / steps
         out["decode_bytes"] = delta["fetched_bytes"]
         out["decode_misses"] = delta["misses"]
         out["bytes_read_per_token"] = out["decode_bytes"] / steps
@@ -332,6 +334,7 @@ def worker(args) -> dict:
     from .belady import belady_misses
     from .budget import staging_arena_bytes
     from .mtp import drafts_with_mtp
+    from .streaming import copy_mode
 
     from . import distributed
 
@@ -414,6 +417,7 @@ def worker(args) -> dict:
             run["trace"] = store.trace or []
             run["prediction"] = store.prediction_stats()
             run["source_counters"] = _source_counters(store.source)
+            run["arena_pinned"] = getattr(store.source, "_cuda_pinned", None)  # before close
         if mode in ("sync", "inproc"):
             daemon_read.append(store.source.bytes_read - read0)
             store.source.close()
@@ -470,6 +474,13 @@ def worker(args) -> dict:
         "precision": pred.get(1, {}).get("precision"),
         "prediction": {str(d): v for d, v in pred.items()},
         "stall_s_per_token": med(r["stall_s_per_token"] for r in runs),
+        # records into the stacks: how (streaming.copy_mode), the time a token,
+        # the rate (decode), and on CUDA whether the arena's mapping is pinned
+        # (a refused cudaHostRegister leaves pageable copies, several times slower)
+        "copy_mode": copy_mode(),
+        "copy_s_per_token": med(r["copy_s_per_token"] for r in runs),
+        "copy_gb_s": last["decode_bytes"] / last["copy_s"] / 1e9 if last["copy_s"] else None,
+        "arena_pinned": last["arena_pinned"],
         "prefetched_bytes": last["prefetched_bytes"],
         "prefetch_unused_bytes": last["prefetch_unused_bytes"],
         # whether a call computes its cached experts while its misses are read,

@@ -289,7 +289,7 @@ class ExpertStore:
 
     def reset_stats(self):
         """Zeroed figures and prediction scores (the cache stays)."""
-        self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0,
+        self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
                       "prefetched": 0, "prefetched_bytes": 0, "prefetch_used": 0,
                       "prefetch_unused": 0, "prefetch_unused_bytes": 0,
                       "hits_first": 0}  # calls that computed cached experts while reading
@@ -587,6 +587,7 @@ class ExpertStore:
         self._call("fetch_into", layer, experts, sink)
         t2 = time.monotonic_ns()
         self.stats["stall_s"] += (t2 - t0 - copying[0]) / 1e9
+        self.stats["copy_s"] += copying[0] / 1e9
         self._io_s += (t2 - t0) / 1e9
         nbytes = layout.record_bytes * len(experts)
         # the read rate seen by demand (decayed): arena hits make it look

@@ -74,7 +74,7 @@ class ExpertSource:
             self._first[l.layer] = entry
             entry += l.num_experts
         self.layer_calls = 0  # layer calls so far: prefetches say when they are due
-        self._cuda_pinned = False
+        self._cuda_pinned = None  # None: not tried; then whether cudaHostRegister took it
 
     def _reset_counters(self):
         self.counters = dict.fromkeys(
@@ -185,13 +185,13 @@ class ExpertSource:
         at DMA speed), once; ``_unpin_cuda`` undoes it before the mapping goes.
         A registration that outlived its mapping would make copies from a later
         mapping at the same address read the old pages."""
-        if not self._cuda_pinned:
+        if self._cuda_pinned is None:  # tried once: a refused registration stays refused
             self._cuda_pinned = native.cuda_register(self._arena, True)
 
     def _unpin_cuda(self):
-        if getattr(self, "_cuda_pinned", False):
+        if getattr(self, "_cuda_pinned", None):
             native.cuda_unregister(self._arena)
-            self._cuda_pinned = False
+        self._cuda_pinned = None
 
     # ---- helpers --------------------------------------------------------------------
 

@@ -48,6 +48,10 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
     assert "iod" in r.stdout and "belady" in r.stdout and "unused MB" in r.stdout
     assert report["modes"]["sync"]["hits_first"] is True
     assert report["modes"]["sync"]["hits_first_calls"] > 0
+    for name in ("sync", "inproc", "iod"):  # records copied in place on the CPU
+        m = report["modes"][name]
+        assert m["copy_mode"] == "host" and m["arena_pinned"] is None
+        assert m["copy_s_per_token"] > 0 and m["copy_gb_s"] > 0
 
 
 def test_bench_without_hits_first(prep_model, tmp_path):

@@ -30,7 +30,12 @@ class FakeCuda:
         self.copies = 0
         self.stale = 0
 
+    refuse = False  # as a driver that cannot pin a read-only mapping
+
     def register(self, buf, read_only):
+        self.attempts = getattr(self, "attempts", 0) + 1
+        if self.refuse:
+            return False
         addr = native.address(buf)
         if addr in self.live:
             return False  # cudaErrorHostMemoryAlreadyRegistered
@@ -82,3 +87,23 @@ def test_cuda_copies_decode_mlx_lm_ids_and_each_mapping_registers_and_unregister
         assert fake_cuda.live == {}, "a closed session leaves no registration behind"
         assert ids == want, f"session {session}"
     assert fake_cuda.registered == 3 and fake_cuda.stale == 0
+
+
+def test_a_refused_registration_is_tried_once_and_copies_still_decode(
+        synth_model, prep_model, fake_cuda):
+    """A driver that will not pin the arena's mapping leaves pageable copies:
+    still exact, registered once per session rather than at every copy, and
+    said (``arena_pinned`` False, in infer bench's JSON)."""
+    fake_cuda.refuse = True
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    resident, tok = mlx_load(str(src))
+    prompt = tok.encode("Hello there, lighthouse")
+    want = decode(resident, prompt, None, 8)["tokens"]
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, None)
+    store.cache_bytes = int(source.manifest.expert_bytes * 0.3)
+    assert decode(model, prompt, None, 8, store)["tokens"] == want
+    assert fake_cuda.copies > 1 and fake_cuda.attempts == 1
+    assert source._cuda_pinned is False
+    source.close()
+    assert source._cuda_pinned is None and fake_cuda.live == {}
