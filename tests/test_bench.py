@@ -1,8 +1,10 @@
 """`infer bench` end to end on a tiny model, and the offline cache simulations."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -184,3 +186,24 @@ def test_warm_bench_fills_the_cache_and_runs_resident_speed_layers(prep_model, t
     assert rep["tokens_equal"] and iod["misses"] == 0 and iod["hit_rate"] == 1.0
     assert iod["bytes_read_per_token"] == 0 and iod["belady_misses"] is None
     assert iod["trace_calls"] == 0  # no layer synced to look at its routing
+
+
+def test_bench_pair_interleaves_resident_and_iod_with_equal_ids(prep_model, tmp_path):
+    """scripts/bench_pair.py: both models in one process, block by block;
+    one ratio per block, both decode the forced text to the same ids."""
+    out = tmp_path / "pair.json"
+    root = Path(__file__).parents[1]
+    script, env = root / "scripts" / "bench_pair.py", {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "12",
+                        "--block", "3", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["ids_equal"] is True and len(report["ratios"]) == 4
+    assert report["ratios"] and all(x > 0 for x in report["ratios"])
+    lo, hi = report["ratio_quartiles"]
+    assert lo <= report["ratio_median"] <= hi
+    assert report["stall_ms_per_token"] >= 0 and "iod / resident: median" in r.stdout
+    bad = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "2",
+                          "--block", "3"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and "at least two blocks" in bad.stderr

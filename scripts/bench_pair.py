@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Streaming through iod against the resident model, interleaved in one process.
+
+usage: scripts/bench_pair.py PREP [--budget 0.25] [--tokens 96] [--block 4]
+                             [--prompt @pycode] [--json OUT]
+
+On a shared, noisy machine two `infer bench` runs a minute apart can differ
+by 20% (this 2-core machine: resident 3.1-4.4 tok/s on the same model), so
+the ratio of separate runs says little. Here both models live in one
+process and decode the same forced text (float32, the bench's fixed text
+after the prompt) block by block: BLOCK tokens on one, the same BLOCK on
+the other, the order reversed every block. Whatever slows the machine for
+a while slows both sides of a pair. The iod side has its own private daemon and the budget's
+cache, warmed by the prompt's prefill like a real session. Reported: per
+pair, iod's speed over resident's; their median and quartiles; stall per
+token; and whether both decoded the same ids (they must).
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from infer import bench
+from infer.bench_draft import resolve_prompt
+from infer.budget import staging_arena_bytes
+from infer.client import IodClient
+from infer.loader import cast_model, load_streaming
+from infer.run import encode_prompt
+from shared.blob import Manifest
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="bench_pair.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--budget", default="0.25")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--block", type=int, default=4)
+    p.add_argument("--prompt", default="@pycode")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.tokens < 2 * args.block or args.block < 1:
+        p.error("--tokens must hold at least two blocks")
+
+    manifest = Manifest.load(args.model)
+    resident, tok = bench.load_resident(args.model)
+    cast_model(resident, mx.float32)
+    daemon = bench._start_daemon(staging_arena_bytes(manifest, 3), 0.0)
+    try:
+        client = IodClient(args.model, iod=str(daemon[2]))
+        cache_bytes = bench.cache_bytes_of(args.budget, manifest, "none", args.model)
+        streamed, _, store = load_streaming(args.model, client, cache_bytes, dtype=mx.float32)
+        result = run(args, tok, {"resident": resident, "iod": streamed}, store)
+        client.close()
+    finally:
+        bench._stop_daemon(daemon)
+    result.update({"model": args.model, "budget": args.budget, "cache_bytes": cache_bytes})
+    print(f"iod / resident: median {result['ratio_median']:.3f} "
+          f"[quartiles {result['ratio_quartiles'][0]:.3f}-{result['ratio_quartiles'][1]:.3f}, "
+          f"{len(result['ratios'])} pairs of {args.block} tokens]; resident "
+          f"{result['tok_s']['resident']:.2f}, iod {result['tok_s']['iod']:.2f} tok/s; "
+          f"stall {result['stall_ms_per_token']:.1f} ms a token; ids equal: {result['ids_equal']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0 if result["ids_equal"] else 1
+
+
+def run(args, tok, models, store):
+    prompt = encode_prompt(tok, resolve_prompt(args.prompt), True)
+    follow = bench.forced_ids(tok, args.tokens)
+    caches, ids = {}, {}
+    for name, model in models.items():  # prefill, untimed
+        caches[name] = make_prompt_cache(model)
+        logits = model(mx.array(prompt)[None], cache=caches[name])
+        ids[name] = [int(mx.argmax(logits[0, -1]).item())]
+    store.reset_stats()
+    secs = {name: [] for name in models}
+    names = list(models)
+    for b in range(args.tokens // args.block):
+        for name in (names if b % 2 == 0 else names[::-1]):  # the order reversed every block
+            model, cache = models[name], caches[name]
+            t0 = time.perf_counter()
+            for t in range(b * args.block, (b + 1) * args.block):
+                logits = model(mx.array([[follow[t]]]), cache=cache)
+                ids[name].append(int(mx.argmax(logits[0, -1]).item()))
+            secs[name].append(time.perf_counter() - t0)
+    ratios = [r / s for r, s in zip(secs["resident"], secs["iod"])]  # iod's speed over resident's
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    n_iod = len(secs["iod"]) * args.block
+    return {
+        "ratios": ratios,
+        "ratio_median": statistics.median(ratios),
+        "ratio_quartiles": [q[0], q[2]],
+        "tok_s": {name: len(s) * args.block / sum(s) for name, s in secs.items()},
+        "stall_ms_per_token": store.stats["stall_s"] / n_iod * 1e3,
+        "copy_ms_per_token": store.stats["copy_s"] / n_iod * 1e3,
+        "ids_equal": ids["resident"] == ids["iod"],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
