@@ -31,6 +31,9 @@ DEPTHS = (1, 2, 3)
 NAMES = ("router", "linear", "temporal")
 RIDGE = 1e-3  # of the mean feature energy: keeps the fit stable on short texts
 MIN_USE = 0.15  # an extra guess is worth a read when it is used this often
+# ... and one used at least SPARE_USE of the time when the disk would be idle:
+# while the reads planned stay within SPARE of what it reads in time
+SPARE_USE, SPARE = 0.03, 0.5
 MIN_PRECISION = 0.5
 CHUNK = 256
 DEFAULT_TOKENS = 4096
@@ -254,22 +257,33 @@ def plan(candidates, reads_in, record_bytes, pending=0):
     many as the source reads in time: at most ``reads_in(D, record_bytes)``
     records (``pending`` hints still outstanding included) due within D
     layer calls, for every D. Deeper guesses (less precise) are read only
-    when the next layer's guesses do not fit in one layer's compute."""
+    when the next layer's guesses do not fit in one layer's compute. Then,
+    where the disk would otherwise sit idle, the guesses used less often
+    (down to SPARE_USE) of the depths chosen, while every depth's reads stay
+    within SPARE of what the disk reads in time (a measured rate and
+    compute time: never while either is unknown)."""
     wanted = [c for c in candidates if c[0] >= MIN_USE]
     if not wanted:
         return []
-    depths = sorted({c[1] for c in wanted})
+    depths = sorted({c[1] for c in candidates})
     cap = {d: reads_in(d, record_bytes) for d in depths}
-    need = sum(1 for c in wanted if c[1] == depths[0])
-    deepest = next((d for d in depths if cap[d] >= need + pending), depths[-1])
+    sure = sorted({c[1] for c in wanted})
+    need = sum(1 for c in wanted if c[1] == sure[0])
+    deepest = next((d for d in sure if cap[d] >= need + pending), sure[-1])
     chosen, due = [], {d: pending for d in depths}  # records due within d calls
-    for c in sorted(wanted, key=lambda c: (-c[0], c[1])):
-        d = c[1]
-        if d > deepest:
-            continue
-        later = [D for D in depths if D >= d]
-        if all(due[D] + 1 <= cap[D] for D in later):
-            for D in later:
-                due[D] += 1
-            chosen.append(c)
+
+    def take(pool, limit):
+        for c in sorted(pool, key=lambda c: (-c[0], c[1])):
+            d = c[1]
+            if d > deepest:
+                continue
+            later = [D for D in depths if D >= d]
+            if all(due[D] + 1 <= limit * cap[D] for D in later):
+                for D in later:
+                    due[D] += 1
+                chosen.append(c)
+
+    take(wanted, 1.0)
+    if all(cap[d] < float("inf") for d in depths):
+        take([c for c in candidates if SPARE_USE <= c[0] < MIN_USE], SPARE)
     return chosen

@@ -331,7 +331,10 @@ class ExpertStore:
 
     def predict(self, layer, x):
         """Lazy guesses for the next layers: [(layer, depth, ids best first,
-        use per rank or None)]."""
+        use per rank or None, breadth)]. The predictor's guess is the first
+        ``breadth`` ids; where the calibration measured how often each rank
+        is used, the ids go on to its last measured rank (reads for spare
+        disk time: ``predict.plan``)."""
         out = []
         cal = self.calibration
         module = self.layouts[layer].module if layer in self.layouts else None
@@ -348,9 +351,10 @@ class ExpertStore:
                     name, use, breadth = "router", None, k
                 else:
                     self._maps[(layer, nxt)] = (mx.array(wb[0]), mx.array(wb[1]))
+            wide = max(breadth, len(use)) if use is not None else breadth
             if name == "linear":
                 w, b = self._maps[(layer, nxt)]
-                ids = predict.ranked(predict.linear_scores(x.reshape(-1, x.shape[-1]), w, b), breadth)
+                ids = predict.ranked(predict.linear_scores(x.reshape(-1, x.shape[-1]), w, b), wide)
             elif name == "temporal":
                 ids = mx.array(np.array(recent)[None])
             else:
@@ -358,19 +362,19 @@ class ExpertStore:
                 if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
                     ids, use = scores[0], None
                 else:
-                    ids = predict.ranked(scores, breadth)
-            out.append((nxt, d, ids, use))
+                    ids = predict.ranked(scores, wide)
+            out.append((nxt, d, ids, use, breadth))
         return out
 
     def prefetch(self, guesses):
         """Score ``guesses`` when their layers are called, and hint the source
         to read the ones ``plan`` finds worth reading in time."""
         candidates = []
-        for layer, d, ids, use in guesses:
+        for layer, d, ids, use, breadth in guesses:
             rows = np.array(ids).reshape(-1, ids.shape[-1])
-            wanted = set(rows.ravel().tolist())
             small = rows.shape[0] <= self.DECODE_ROWS
-            self._predicted.setdefault(layer, {})[d] = (wanted, small)
+            # scored: the predictor's guess, not the ranks past it
+            self._predicted.setdefault(layer, {})[d] = (set(rows[:, :breadth].ravel().tolist()), small)
             if not small or not self.prefetch_pays(d):
                 continue  # still scored: prefetch resumes if guesses improve
             right, guessed = self._gate[d] if d < len(self._gate) else (1.0, 1.0)

@@ -54,8 +54,8 @@ def record(model_dir, tokens, text=None, stretches=2):
     prefetch = store.prefetch
 
     def record_guesses(gs):  # the guesses of the call the trace records next
-        guesses.append((len(store.trace), [[int(l), d, np.unique(np.array(g)).tolist()]
-                                           for l, d, g, _ in gs]))
+        guesses.append((len(store.trace), [[int(l), d, np.unique(np.array(g)[..., :breadth]).tolist()]
+                                           for l, d, g, _, breadth in gs]))
         prefetch(gs)
 
     store.prefetch = record_guesses

@@ -142,7 +142,7 @@ def test_unused_prefetch_is_counted(calibrated):
         _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
                                      preload=False)
         rec = store.layouts[1].record_bytes
-        store.prefetch([(1, 1, mx.array([[3, 4, 5]]), None)])
+        store.prefetch([(1, 1, mx.array([[3, 4, 5]]), None, 3)])
         assert store.stats["prefetched"] == 3 and store.stats["prefetched_bytes"] == 3 * rec
         store.gather(1, np.array([3, 9]))
         assert store.stats["prefetch_used"] == 1
@@ -169,10 +169,10 @@ def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
         _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
                                      preload=False)
         verify = mx.arange(32).reshape(1, 4, 8)
-        store.prefetch([(1, 1, verify, None)])
+        store.prefetch([(1, 1, verify, None, 8)])
         assert store.stats["prefetched"] == 32
         prefill = mx.arange(32 * 8).reshape(1, 32, 8) % 64
-        store.prefetch([(2, 1, prefill, None)])
+        store.prefetch([(2, 1, prefill, None, 8)])
         assert store.stats["prefetched"] == 32
         assert store._predicted[2][1] == (set(range(64)), False)
     finally:
@@ -181,12 +181,15 @@ def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
 
 def test_plan_reads_what_fits_in_time():
     """Most likely first; within D layer calls no more than reads_in(D)
-    records; guesses used less than MIN_USE never; deeper depths only when the
-    next layer's guesses do not fit in one layer's compute."""
+    records; guesses used less than MIN_USE only into spare disk time; deeper
+    depths only when the next layer's guesses do not fit in one layer's compute."""
     c = [(0.9, 1, 1, e) for e in range(6)] + [(0.1, 1, 1, 6)] + [(0.6, 2, 2, e) for e in range(4)]
-    # plenty of time: depth 1 only, all its likely guesses
+    # plenty of time: depth 1 only, all its likely guesses, and the unlikely one in spare time
     chosen = predict.plan(c, lambda d, rec: 100.0 * d, 1)
-    assert sorted(x[3] for x in chosen) == list(range(6)) and all(x[1] == 1 for x in chosen)
+    assert sorted(x[3] for x in chosen) == list(range(7)) and all(x[1] == 1 for x in chosen)
+    # the unlikely one not while the rate or the compute time is unknown
+    chosen = predict.plan(c, lambda d, rec: float("inf"), 1)
+    assert sorted(x[3] for x in chosen) == list(range(6))
     # 4 records per layer of compute: depth 1 does not fit in one, depth 2 is read too,
     # no more than 4 due within one call and 8 within two
     chosen = predict.plan(c, lambda d, rec: 4.0 * d, 1)
@@ -213,3 +216,16 @@ def test_uncalibrated_store_guesses_with_the_loaded_routers(trained_prep, traine
         assert store.prediction_stats()[1]["recall"] > 0.5
     finally:
         source.close()
+
+
+def test_plan_spare_reads_stay_within_half_the_disk_time():
+    """Guesses used 3-15% of the time fill at most SPARE of what the disk reads
+    in time, likeliest first; below SPARE_USE never; none without a likely one."""
+    sure = [(0.9, 1, 1, e) for e in range(4)]
+    spare = [(0.14 - 0.01 * e, 1, 1, 10 + e) for e in range(10)] + [(0.01, 1, 1, 99)]
+    chosen = predict.plan(sure + spare, lambda d, rec: 16.0 * d, 1)
+    extra = [x[3] for x in chosen if x[0] < predict.MIN_USE]
+    assert len(chosen) == 8 and extra == [10, 11, 12, 13]  # 4 sure + 4 more = half of 16
+    assert predict.plan(spare, lambda d, rec: 16.0 * d, 1) == []
+    # a disk that reads 8 in time: the likely ones alone fit, nothing spare
+    assert len(predict.plan(sure + spare, lambda d, rec: 8.0 * d, 1)) == 4
