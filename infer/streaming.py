@@ -175,8 +175,8 @@ class LayerStack:
     def copy_in(self, batch, positions):
         """Copy ``batch``'s records to ``positions``: in host memory one
         native copy per kind of copy (as stored, or widened to float32); on
-        CUDA one cudaMemcpy batch for the tensors that need no cast; one
-        transfer (and cast) and one scatter per other tensor."""
+        CUDA one queued batch of copies for the tensors that need no cast;
+        one transfer (and cast) and one scatter per other tensor."""
         keys = list(self.arrays)
         direct = [i for i, kind in enumerate(self.kinds) if kind is not None]
         if direct and self.mode == "cuda":
@@ -187,7 +187,9 @@ class LayerStack:
                 s = self.layout.segments[ti]
                 for src, pos in zip(batch.offsets.tolist(), positions):
                     rows.append((self._addr[ti] + pos * s.nbytes, src + s.offset, s.nbytes))
-            native.cuda_copy(batch.buf, np.array(rows, dtype=np.int64))
+            # unpinned (a refused registration, a plain buffer): staged by the native copy
+            pinned = batch.source is not None and bool(batch.source._cuda_pinned)
+            native.cuda_copy(batch.buf, np.array(rows, dtype=np.int64), pinned)
         elif direct:
             rows = {}  # kind -> rows
             for ti in direct:

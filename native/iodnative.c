@@ -6,7 +6,9 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -314,27 +316,52 @@ static PyObject *pread_full(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(done);
 }
 
-/* CUDA, loaded at run time (nothing links against it): records go from the
- * arena, registered once as pinned host memory, straight into MLX's device
- * arrays with cudaMemcpy (DMA, ~50 GB/s measured on the lent H200, against
- * ~1 GB/s for mx.array + scatter through managed memory). */
+/* CUDA, loaded at run time (nothing links against it; IOD_CUDART names the
+ * library to try first): records go from the arena, registered as pinned
+ * host memory, straight into MLX's device arrays (DMA, ~50 GB/s measured on
+ * the lent H200, against ~1 GB/s for mx.array + scatter through managed
+ * memory). The copies of a plan are queued on one stream of our own and
+ * waited for once; a stream that does not wait for MLX's (non-blocking) is
+ * safe: the caller has synced at the layer's router, and no queued kernel
+ * reads the positions a plan writes. Where the arena could not be pinned,
+ * rows go through a pinned staging buffer of ours, so the DMA still runs
+ * at pinned speed (a pageable cudaMemcpy is staged by the driver and
+ * synchronous, ~2 GB/s). */
 typedef int (*memcpy_fn)(void *, const void *, size_t, int);
+typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
 typedef int (*register_fn)(void *, size_t, unsigned int);
 typedef int (*unregister_fn)(void *);
+typedef int (*stream_create_fn)(void **, unsigned int);
+typedef int (*stream_sync_fn)(void *);
+typedef int (*host_alloc_fn)(void **, size_t, unsigned int);
 static memcpy_fn cuda_memcpy;
+static memcpy_async_fn cuda_memcpy_async;
 static register_fn cuda_host_register;
 static unregister_fn cuda_host_unregister;
+static stream_create_fn cuda_stream_create;
+static stream_sync_fn cuda_stream_sync;
+static host_alloc_fn cuda_host_alloc;
 static int cuda_state; /* 0 not tried, 1 loaded, -1 absent */
+static void *copy_stream; /* created on first use, never destroyed */
+static char *staging;     /* pinned, STAGING_BYTES, allocated on first use */
+#define STAGING_BYTES ((size_t)32 << 20)
+static pthread_mutex_t copy_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int cuda_load(void) {
     if (cuda_state) return cuda_state > 0;
-    const char *names[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12", NULL};
+    const char *names[] = {getenv("IOD_CUDART"), "libcudart.so", "libcudart.so.13", "libcudart.so.12"};
     void *h = NULL;
-    for (int i = 0; names[i] && !h; i++) h = dlopen(names[i], RTLD_NOW | RTLD_GLOBAL);
+    for (int i = 0; i < 4 && !h; i++)
+        if (names[i] && names[i][0]) h = dlopen(names[i], RTLD_NOW | RTLD_GLOBAL);
     if (h) {
         cuda_memcpy = (memcpy_fn)dlsym(h, "cudaMemcpy");
         cuda_host_register = (register_fn)dlsym(h, "cudaHostRegister");
         cuda_host_unregister = (unregister_fn)dlsym(h, "cudaHostUnregister");
+        /* the queued path; without any of these, one cudaMemcpy a row */
+        cuda_memcpy_async = (memcpy_async_fn)dlsym(h, "cudaMemcpyAsync");
+        cuda_stream_create = (stream_create_fn)dlsym(h, "cudaStreamCreateWithFlags");
+        cuda_stream_sync = (stream_sync_fn)dlsym(h, "cudaStreamSynchronize");
+        cuda_host_alloc = (host_alloc_fn)dlsym(h, "cudaHostAlloc");
     }
     cuda_state = (cuda_memcpy && cuda_host_register && cuda_host_unregister) ? 1 : -1;
     return cuda_state > 0;
@@ -370,12 +397,43 @@ static PyObject *cuda_unregister(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* cuda_copy(src, plan) -> bytes copied. plan: int64 rows of (destination
- * address, source offset in src, nbytes); destinations are device (or
- * managed) addresses the caller took from its MLX arrays. */
+/* The rows of a plan, queued on copy_stream and waited for once: straight
+ * from src where it is pinned, else through the staging buffer (a row
+ * larger than it goes by cudaMemcpy). Returns a CUDA error, or 0. */
+static int copy_queued(const char *src, const int64_t *row, Py_ssize_t rows, int pinned) {
+    int rc = 0;
+    size_t used = 0;
+    for (Py_ssize_t i = 0; i < rows && rc == 0; i++) {
+        void *dst = (void *)(intptr_t)row[3 * i];
+        const char *from = src + row[3 * i + 1];
+        size_t n = (size_t)row[3 * i + 2];
+        if (pinned) {
+            rc = cuda_memcpy_async(dst, from, n, 4 /* cudaMemcpyDefault */, copy_stream);
+        } else if (n > STAGING_BYTES) {
+            rc = cuda_memcpy(dst, from, n, 4);
+        } else {
+            if (used + n > STAGING_BYTES) { /* reuse the buffer once its copies are done */
+                rc = cuda_stream_sync(copy_stream);
+                used = 0;
+            }
+            if (rc == 0) {
+                memcpy(staging + used, from, n);
+                rc = cuda_memcpy_async(dst, staging + used, n, 4, copy_stream);
+                used += n;
+            }
+        }
+    }
+    int wait = cuda_stream_sync(copy_stream);
+    return rc ? rc : wait;
+}
+
+/* cuda_copy(src, plan, pinned) -> bytes copied. plan: int64 rows of
+ * (destination address, source offset in src, nbytes); destinations are
+ * device (or managed) addresses the caller took from its MLX arrays;
+ * pinned: whether src is registered (cuda_register). */
 static PyObject *cuda_copy(PyObject *self, PyObject *args) {
-    PyObject *src_o, *plan_o; Py_buffer src, plan;
-    if (!PyArg_ParseTuple(args, "OO", &src_o, &plan_o)) return NULL;
+    PyObject *src_o, *plan_o; Py_buffer src, plan; int pinned = 0;
+    if (!PyArg_ParseTuple(args, "OO|p", &src_o, &plan_o, &pinned)) return NULL;
     if (!cuda_load()) {
         PyErr_SetString(PyExc_RuntimeError, "cuda_copy: no CUDA runtime");
         return NULL;
@@ -391,13 +449,26 @@ static PyObject *cuda_copy(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "cuda_copy: region out of range");
             return NULL;
         }
+        total += n;
     }
     int rc = 0;
+    /* set up once, with the GIL held; the copies take copy_lock (one stream,
+     * one staging buffer) */
+    int queued = cuda_memcpy_async && cuda_stream_create && cuda_stream_sync;
+    if (queued && !copy_stream && cuda_stream_create(&copy_stream, 1u /* cudaStreamNonBlocking */))
+        queued = 0, copy_stream = NULL;
+    if (queued && !pinned && !staging &&
+        (!cuda_host_alloc || cuda_host_alloc((void **)&staging, STAGING_BYTES, 0u)))
+        staging = NULL;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < rows && rc == 0; i++) {
-        rc = cuda_memcpy((void *)(intptr_t)row[3 * i], (const char *)src.buf + row[3 * i + 1],
-                         (size_t)row[3 * i + 2], 4 /* cudaMemcpyDefault */);
-        total += row[3 * i + 2];
+    if (queued && (pinned || staging)) {
+        pthread_mutex_lock(&copy_lock);
+        rc = copy_queued((const char *)src.buf, row, rows, pinned);
+        pthread_mutex_unlock(&copy_lock);
+    } else {
+        for (Py_ssize_t i = 0; i < rows && rc == 0; i++)
+            rc = cuda_memcpy((void *)(intptr_t)row[3 * i], (const char *)src.buf + row[3 * i + 1],
+                             (size_t)row[3 * i + 2], 4 /* cudaMemcpyDefault */);
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&plan); PyBuffer_Release(&src);
@@ -497,7 +568,7 @@ static PyMethodDef methods[] = {
     {"cuda_available", cuda_available, METH_NOARGS, "Whether a CUDA runtime can be loaded."},
     {"cuda_register", cuda_register, METH_VARARGS, "Pin a host mapping for DMA (CUDA)."},
     {"cuda_unregister", cuda_unregister, METH_VARARGS, "Unpin a host mapping (CUDA)."},
-    {"cuda_copy", cuda_copy, METH_VARARGS, "cudaMemcpy a plan of regions without the GIL."},
+    {"cuda_copy", cuda_copy, METH_VARARGS, "Copy a plan of regions to the device without the GIL (queued, waited for once)."},
     {"address", address, METH_VARARGS, "The address of a buffer's first byte."},
     {"pread_full", pread_full, METH_VARARGS, "pread into a buffer without the GIL."},
     {"shm_create", shm_create, METH_VARARGS, "Create a 0600 POSIX shm segment."},
