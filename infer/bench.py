@@ -552,6 +552,7 @@ def run_ranks(args, mode, out) -> dict:
 
 
 SUMMED = ("misses", "belady_misses", "decode_misses", "bytes_read_per_token", "stall_s_per_token",
+          "copy_s_per_token",
           "prefetched_bytes", "prefetch_unused_bytes", "trace_calls", "cache_bytes",
           "disk_bytes_read", "disk_bytes_read_per_token")
 
@@ -596,6 +597,10 @@ def merge_runs(runs) -> dict:
         if key in out:
             vals = [x for r in runs for x in r.get(key + "_runs", [r[key]])]
             out[key], out[key + "_runs"] = med(vals), vals
+    for key in ("copy_s_per_token", "copy_gb_s"):
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        if vals:
+            out[key] = med(vals)
     for key in ("peak_rss_infer", "peak_rss_iod"):
         out[key] = max(r[key] for r in runs)
     if "decode_s_per_token" in out:

@@ -18,6 +18,7 @@ place (a long prefill with a small cache, or one-off experts) run from a
 temporary compact stack.
 """
 
+import math
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -78,6 +79,11 @@ def copy_mode() -> str:
     if mx.default_device() == mx.cpu or mx.metal.is_available():
         return "host"
     return "cuda" if native.cuda_available() else "staged"
+
+
+# the highest use a guess past its predictor's breadth is planned with: below
+# predict.MIN_USE, so such guesses are read in spare disk time only
+SPARE_ONLY = math.nextafter(predict.MIN_USE, 0.0)
 
 
 class LayerStack:
@@ -359,6 +365,7 @@ class ExpertStore:
                 ids = predict.ranked(predict.linear_scores(x.reshape(-1, x.shape[-1]), w, b), wide)
             elif name == "temporal":
                 ids = mx.array(np.array(recent)[None])
+                breadth = len(recent)  # the recent experts are the guess, all of them
             else:
                 scores = router(x)
                 if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
@@ -394,6 +401,8 @@ class ExpertStore:
             for e, r in rank.items():
                 if e in fresh:
                     p = float(use[r]) if use is not None and r < len(use) else online
+                    if r >= breadth:  # past the predictor's guess: read in spare disk time only
+                        p = min(p, SPARE_ONLY)
                     candidates.append((p, d, layer, e))
         if not candidates:
             return

@@ -334,6 +334,7 @@ typedef int (*unregister_fn)(void *);
 typedef int (*stream_create_fn)(void **, unsigned int);
 typedef int (*stream_sync_fn)(void *);
 typedef int (*host_alloc_fn)(void **, size_t, unsigned int);
+typedef int (*last_error_fn)(void);
 static memcpy_fn cuda_memcpy;
 static memcpy_async_fn cuda_memcpy_async;
 static register_fn cuda_host_register;
@@ -341,9 +342,11 @@ static unregister_fn cuda_host_unregister;
 static stream_create_fn cuda_stream_create;
 static stream_sync_fn cuda_stream_sync;
 static host_alloc_fn cuda_host_alloc;
+static last_error_fn cuda_get_last_error;
 static int cuda_state; /* 0 not tried, 1 loaded, -1 absent */
 static void *copy_stream; /* created on first use, never destroyed */
 static char *staging;     /* pinned, STAGING_BYTES, allocated on first use */
+static int stream_tried, staging_tried; /* each set-up is tried once */
 #define STAGING_BYTES ((size_t)32 << 20)
 static pthread_mutex_t copy_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -362,9 +365,16 @@ static int cuda_load(void) {
         cuda_stream_create = (stream_create_fn)dlsym(h, "cudaStreamCreateWithFlags");
         cuda_stream_sync = (stream_sync_fn)dlsym(h, "cudaStreamSynchronize");
         cuda_host_alloc = (host_alloc_fn)dlsym(h, "cudaHostAlloc");
+        cuda_get_last_error = (last_error_fn)dlsym(h, "cudaGetLastError");
     }
     cuda_state = (cuda_memcpy && cuda_host_register && cuda_host_unregister) ? 1 : -1;
     return cuda_state > 0;
+}
+
+/* A refused set-up call leaves CUDA's last error set, which MLX would read
+ * after its next kernel as its own failure: clear it. */
+static void clear_cuda_error(void) {
+    if (cuda_get_last_error) cuda_get_last_error();
 }
 
 /* cuda_available() -> bool */
@@ -381,6 +391,7 @@ static PyObject *cuda_register(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = cuda_host_register(v.buf, (size_t)v.len, ro ? 8u /* cudaHostRegisterReadOnly */ : 0u);
+    if (rc) clear_cuda_error();
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&v);
     return PyBool_FromLong(rc == 0);
@@ -397,10 +408,12 @@ static PyObject *cuda_unregister(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The rows of a plan, queued on copy_stream and waited for once: straight
- * from src where it is pinned, else through the staging buffer (a row
- * larger than it goes by cudaMemcpy). Returns a CUDA error, or 0. */
-static int copy_queued(const char *src, const int64_t *row, Py_ssize_t rows, int pinned) {
+/* The rows of a plan, queued on ``stream`` and waited for at the end:
+ * straight from src where it is pinned, else through the staging buffer
+ * (waited for before it is reused; a row larger than it goes by
+ * cudaMemcpy). Returns a CUDA error, or 0. */
+static int copy_queued(void *stream, char *stage, const char *src, const int64_t *row,
+                       Py_ssize_t rows, int pinned) {
     int rc = 0;
     size_t used = 0;
     for (Py_ssize_t i = 0; i < rows && rc == 0; i++) {
@@ -408,22 +421,22 @@ static int copy_queued(const char *src, const int64_t *row, Py_ssize_t rows, int
         const char *from = src + row[3 * i + 1];
         size_t n = (size_t)row[3 * i + 2];
         if (pinned) {
-            rc = cuda_memcpy_async(dst, from, n, 4 /* cudaMemcpyDefault */, copy_stream);
+            rc = cuda_memcpy_async(dst, from, n, 4 /* cudaMemcpyDefault */, stream);
         } else if (n > STAGING_BYTES) {
             rc = cuda_memcpy(dst, from, n, 4);
         } else {
             if (used + n > STAGING_BYTES) { /* reuse the buffer once its copies are done */
-                rc = cuda_stream_sync(copy_stream);
+                rc = cuda_stream_sync(stream);
                 used = 0;
             }
             if (rc == 0) {
-                memcpy(staging + used, from, n);
-                rc = cuda_memcpy_async(dst, staging + used, n, 4, copy_stream);
+                memcpy(stage + used, from, n);
+                rc = cuda_memcpy_async(dst, stage + used, n, 4, stream);
                 used += n;
             }
         }
     }
-    int wait = cuda_stream_sync(copy_stream);
+    int wait = cuda_stream_sync(stream);
     return rc ? rc : wait;
 }
 
@@ -454,16 +467,24 @@ static PyObject *cuda_copy(PyObject *self, PyObject *args) {
     int rc = 0;
     /* set up once, with the GIL held; the copies take copy_lock (one stream,
      * one staging buffer) */
-    int queued = cuda_memcpy_async && cuda_stream_create && cuda_stream_sync;
-    if (queued && !copy_stream && cuda_stream_create(&copy_stream, 1u /* cudaStreamNonBlocking */))
-        queued = 0, copy_stream = NULL;
-    if (queued && !pinned && !staging &&
-        (!cuda_host_alloc || cuda_host_alloc((void **)&staging, STAGING_BYTES, 0u)))
-        staging = NULL;
+    if (cuda_memcpy_async && cuda_stream_create && cuda_stream_sync && !stream_tried) {
+        void *s = NULL;
+        stream_tried = 1;
+        if (cuda_stream_create(&s, 1u /* cudaStreamNonBlocking */) == 0) copy_stream = s;
+        else clear_cuda_error();
+    }
+    if (copy_stream && !pinned && cuda_host_alloc && !staging_tried) {
+        void *p = NULL;
+        staging_tried = 1;
+        if (cuda_host_alloc(&p, STAGING_BYTES, 0u) == 0) staging = p;
+        else clear_cuda_error();
+    }
+    void *stream = copy_stream; /* read with the GIL held */
+    char *stage = staging;
     Py_BEGIN_ALLOW_THREADS
-    if (queued && (pinned || staging)) {
+    if (stream && (pinned || stage)) {
         pthread_mutex_lock(&copy_lock);
-        rc = copy_queued((const char *)src.buf, row, rows, pinned);
+        rc = copy_queued(stream, stage, (const char *)src.buf, row, rows, pinned);
         pthread_mutex_unlock(&copy_lock);
     } else {
         for (Py_ssize_t i = 0; i < rows && rc == 0; i++)

@@ -10,10 +10,12 @@ the ratio of separate runs says little. Here both models live in one
 process and decode the same forced text (float32, the bench's fixed text
 after the prompt) block by block: BLOCK tokens on one, the same BLOCK on
 the other, the order reversed every block. Whatever slows the machine for
-a while slows both sides of a pair. The iod side has its own private daemon and the budget's
-cache, warmed by the prompt's prefill like a real session. Reported: per
-pair, iod's speed over resident's; their median and quartiles; stall per
-token; and whether both decoded the same ids (they must).
+a while slows both sides of a pair. The iod side has a private daemon and
+the budget's cache, started as `infer run` starts it (the cold-start
+preload of usage.json, where the folder has one; `infer bench` starts
+cold); the prompt is taken raw (as `infer bench --raw-prompt`). Reported:
+per pair, iod's speed over resident's; their median and quartiles; stall
+per token; and whether both decoded the same ids (they must).
 """
 import argparse
 import json
@@ -49,13 +51,15 @@ def main(argv=None):
     resident, tok = bench.load_resident(args.model)
     cast_model(resident, mx.float32)
     daemon = bench._start_daemon(staging_arena_bytes(manifest, 3), 0.0)
+    client = None
     try:
         client = IodClient(args.model, iod=str(daemon[2]))
         cache_bytes = bench.cache_bytes_of(args.budget, manifest, "none", args.model)
         streamed, _, store = load_streaming(args.model, client, cache_bytes, dtype=mx.float32)
         result = run(args, tok, {"resident": resident, "iod": streamed}, store)
-        client.close()
     finally:
+        if client is not None:
+            client.close()
         bench._stop_daemon(daemon)
     result.update({"model": args.model, "budget": args.budget, "cache_bytes": cache_bytes})
     print(f"iod / resident: median {result['ratio_median']:.3f} "
@@ -89,7 +93,7 @@ def run(args, tok, models, store):
                 ids[name].append(int(mx.argmax(logits[0, -1]).item()))
             secs[name].append(time.perf_counter() - t0)
     ratios = [r / s for r, s in zip(secs["resident"], secs["iod"])]  # iod's speed over resident's
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
     n_iod = len(secs["iod"]) * args.block
     return {
         "ratios": ratios,

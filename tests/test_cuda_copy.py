@@ -124,7 +124,7 @@ import native
 
 fake = ctypes.CDLL(os.environ["IOD_CUDART"])
 def stats():
-    out = (ctypes.c_int64 * 6)()
+    out = (ctypes.c_int64 * 7)()
     fake.fake_stats(out)
     return list(out)
 
@@ -137,6 +137,10 @@ offs = list(range(0, src.size, piece))
 rng.shuffle(offs)
 plan = np.array([(base + o, o, min(piece, src.size - o)) for o in offs], dtype=np.int64)
 assert native.cuda_available()
+# a refused registration: False, and CUDA's last error cleared (MLX would read it as its own)
+os.environ["FAKE_REFUSE"] = "1"
+assert native.cuda_register(src, True) is False and stats()[5] == 1 and stats()[6] == 0
+del os.environ["FAKE_REFUSE"]
 # unpinned: staged, the buffer reused only after its copies are done
 assert native.cuda_copy(src, plan, False) == src.size and np.array_equal(dst, src)
 s = stats()
@@ -164,7 +168,8 @@ def test_native_copy_queues_its_rows_and_stages_an_unpinned_source(tmp_path):
     copies run only when the stream is waited for: every byte arrives, from
     a pinned source straight and with one wait; from an unpinned one through
     the staging buffer, reused only after a wait; a row larger than the
-    buffer by cudaMemcpy; an out-of-range plan refused."""
+    buffer by cudaMemcpy; an out-of-range plan refused; a refused
+    registration leaves no CUDA error behind."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.fail("no C compiler (the native extension needs one too)")

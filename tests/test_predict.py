@@ -229,3 +229,31 @@ def test_plan_spare_reads_stay_within_half_the_disk_time():
     assert predict.plan(spare, lambda d, rec: 16.0 * d, 1) == []
     # a disk that reads 8 in time: the likely ones alone fit, nothing spare
     assert len(predict.plan(sure + spare, lambda d, rec: 8.0 * d, 1)) == 4
+
+
+def test_guesses_past_the_breadth_are_read_in_spare_time_only(calibrated):
+    """A calibrated guess goes on past its predictor's breadth; those ranks
+    are read only within half of what the disk reads in time, however often
+    they are used (the likely ones take the rest)."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
+        use = np.array([0.9] * 4 + [0.5] * 4)  # ranks 4-7 used half the time, past a breadth of 4
+        ids = mx.array([[0, 1, 2, 3, 4, 5, 6, 7]])
+        store.layer_s = 1.0
+        store.disk_rate = 6 * store.layouts[1].record_bytes  # 6 records a layer's compute: half is 3
+        store.prefetch([(1, 1, ids, use, 4)])
+        assert store.stats["prefetched"] == 4  # the guess alone: ranks 4-7 would pass half
+        store.reset_stats()
+        store.disk_rate = 20 * store.layouts[2].record_bytes  # half is 10: all eight
+        store.prefetch([(2, 1, ids, use, 4)])
+        assert store.stats["prefetched"] == 8
+        assert store._predicted[2][1] == ({0, 1, 2, 3}, True)  # scored: the guess
+    finally:
+        source.close()

@@ -9,7 +9,9 @@
 #define QUEUE 65536
 static struct { void *dst; const void *src; size_t n; } queue[QUEUE];
 static int queued;
-static int64_t stats[6]; /* cudaMemcpy, cudaMemcpyAsync, syncs, stream flags, from staging, registers */
+/* cudaMemcpy, cudaMemcpyAsync, syncs, stream flags, from staging, registers,
+ * errors set by a refusal and not yet read by cudaGetLastError */
+static int64_t stats[7];
 static char *staging;
 static size_t staging_len;
 
@@ -53,7 +55,17 @@ int cudaHostAlloc(void **p, size_t n, unsigned int flags) {
     return staging ? 0 : 2;
 }
 
-int cudaHostRegister(void *p, size_t n, unsigned int flags) { stats[5]++; return 0; }
+int cudaHostRegister(void *p, size_t n, unsigned int flags) {
+    stats[5]++;
+    if (getenv("FAKE_REFUSE")) { stats[6] = 1; return 712; /* cudaErrorHostMemoryAlreadyRegistered */ }
+    return 0;
+}
+
+int cudaGetLastError(void) {
+    int e = stats[6] ? 712 : 0;
+    stats[6] = 0;
+    return e;
+}
 int cudaHostUnregister(void *p) { return 0; }
 
 void fake_stats(int64_t *out) { memcpy(out, stats, sizeof stats); }
