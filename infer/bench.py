@@ -417,7 +417,7 @@ def worker(args) -> dict:
             run["trace"] = store.trace or []
             run["prediction"] = store.prediction_stats()
             run["source_counters"] = _source_counters(store.source)
-            run["arena_pinned"] = getattr(store.source, "_cuda_pinned", None)  # before close
+            run["arena_pinned"] = getattr(store.source, "cuda_pinned", None)  # before close
         if mode in ("sync", "inproc"):
             daemon_read.append(store.source.bytes_read - read0)
             store.source.close()

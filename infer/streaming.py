@@ -186,15 +186,13 @@ class LayerStack:
         keys = list(self.arrays)
         direct = [i for i, kind in enumerate(self.kinds) if kind is not None]
         if direct and self.mode == "cuda":
-            if batch.source is not None:
-                batch.source.pin_for_cuda()
+            # unpinned (a refused registration, a plain buffer): staged by the native copy
+            pinned = batch.source is not None and batch.source.pin_for_cuda()
             rows = []
             for ti in direct:
                 s = self.layout.segments[ti]
                 for src, pos in zip(batch.offsets.tolist(), positions):
                     rows.append((self._addr[ti] + pos * s.nbytes, src + s.offset, s.nbytes))
-            # unpinned (a refused registration, a plain buffer): staged by the native copy
-            pinned = batch.source is not None and bool(batch.source._cuda_pinned)
             native.cuda_copy(batch.buf, np.array(rows, dtype=np.int64), pinned)
         elif direct:
             rows = {}  # kind -> rows

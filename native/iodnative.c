@@ -321,7 +321,7 @@ static PyObject *pread_full(PyObject *self, PyObject *args) {
  * host memory, straight into MLX's device arrays (DMA, ~50 GB/s measured on
  * the lent H200, against ~1 GB/s for mx.array + scatter through managed
  * memory). The copies of a plan are queued on one stream of our own and
- * waited for once; a stream that does not wait for MLX's (non-blocking) is
+ * waited for at its end; a stream that does not wait for MLX's (non-blocking) is
  * safe: the caller has synced at the layer's router, and no queued kernel
  * reads the positions a plan writes. Where the arena could not be pinned,
  * rows go through a pinned staging buffer of ours, so the DMA still runs
@@ -589,7 +589,7 @@ static PyMethodDef methods[] = {
     {"cuda_available", cuda_available, METH_NOARGS, "Whether a CUDA runtime can be loaded."},
     {"cuda_register", cuda_register, METH_VARARGS, "Pin a host mapping for DMA (CUDA)."},
     {"cuda_unregister", cuda_unregister, METH_VARARGS, "Unpin a host mapping (CUDA)."},
-    {"cuda_copy", cuda_copy, METH_VARARGS, "Copy a plan of regions to the device without the GIL (queued, waited for once)."},
+    {"cuda_copy", cuda_copy, METH_VARARGS, "Copy a plan of regions to the device without the GIL (queued on one stream)."},
     {"address", address, METH_VARARGS, "The address of a buffer's first byte."},
     {"pread_full", pread_full, METH_VARARGS, "pread into a buffer without the GIL."},
     {"shm_create", shm_create, METH_VARARGS, "Create a 0600 POSIX shm segment."},

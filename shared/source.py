@@ -180,13 +180,20 @@ class ExpertSource:
         l = self._num_experts[layer]
         return [e for e in range(l) if self._is_ready(layer, e)]
 
-    def pin_for_cuda(self) -> None:
-        """Register this mapping of the arena as pinned host memory (cudaMemcpy
-        at DMA speed), once; ``_unpin_cuda`` undoes it before the mapping goes.
+    def pin_for_cuda(self) -> bool:
+        """Register this mapping of the arena as pinned host memory (copies at
+        DMA speed), once; ``_unpin_cuda`` undoes it before the mapping goes.
         A registration that outlived its mapping would make copies from a later
-        mapping at the same address read the old pages."""
-        if self._cuda_pinned is None:  # tried once: a refused registration stays refused
+        mapping at the same address read the old pages. Returns whether the
+        mapping is pinned (a refused registration stays refused)."""
+        if self._cuda_pinned is None:
             self._cuda_pinned = native.cuda_register(self._arena, True)
+        return self._cuda_pinned
+
+    @property
+    def cuda_pinned(self):
+        """None until ``pin_for_cuda`` is tried, then whether it pinned the arena."""
+        return self._cuda_pinned
 
     def _unpin_cuda(self):
         if getattr(self, "_cuda_pinned", None):

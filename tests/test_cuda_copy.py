@@ -99,8 +99,8 @@ def test_cuda_copies_decode_mlx_lm_ids_and_each_mapping_registers_and_unregister
 
 def test_a_refused_registration_is_tried_once_and_copies_still_decode(
         synth_model, prep_model, fake_cuda):
-    """A driver that will not pin the arena's mapping leaves pageable copies:
-    still exact, registered once per session rather than at every copy, and
+    """A driver that will not pin the arena's mapping: copies staged by the
+    native copy, still exact, registered once per session rather than at every copy, and
     said (``arena_pinned`` False, in infer bench's JSON)."""
     fake_cuda.refuse = True
     src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
@@ -112,9 +112,9 @@ def test_a_refused_registration_is_tried_once_and_copies_still_decode(
     store.cache_bytes = int(source.manifest.expert_bytes * 0.3)
     assert decode(model, prompt, None, 8, store)["tokens"] == want
     assert fake_cuda.copies > 1 and fake_cuda.attempts == 1 and fake_cuda.wrong_flag == 0
-    assert source._cuda_pinned is False
+    assert source.cuda_pinned is False
     source.close()
-    assert source._cuda_pinned is None and fake_cuda.live == {}
+    assert source.cuda_pinned is None and fake_cuda.live == {}
 
 
 NATIVE_COPY = r"""
