@@ -195,6 +195,7 @@ def decode(model, prompt_ids, follow, n, store=None):
         out["prefetched_bytes"] = delta["prefetched_bytes"]
         out["prefetch_unused_bytes"] = delta["prefetch_unused_bytes"]
         out["hits_first_calls"] = delta["hits_first"]
+        out["aside_calls"] = delta["aside_calls"]
     return out
 
 
@@ -487,6 +488,9 @@ def worker(args) -> dict:
         # and the calls that did
         "hits_first": store.hits_first,
         "hits_first_calls": last["hits_first_calls"],
+        # one-token calls that computed experts the cache did not admit from
+        # a stack of their own
+        "aside_calls": last["aside_calls"],
         # the reader's view (whole run): reads started as prefetches, and
         # prefetched records evicted from the staging arena unused
         "source_counters": last["source_counters"],

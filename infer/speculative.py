@@ -272,7 +272,7 @@ class Wavefront:
             for ev in self._turn:
                 ev.set()
 
-    def _hook(self, layer, wanted):
+    def _hook(self, layer, wanted, split=False):
         # stands in for ExpertStore.gather during the run
         j = self._local.j
         self._wanted[j] = (layer, [int(e) for e in wanted])
@@ -284,12 +284,14 @@ class Wavefront:
             self.union[0] += 1
             self.union[1] += len(union)
             self.union[2] += sum(len(w[1]) for w in self._wanted)
-            arrays, positions = type(self.store).gather(self.store, layer, np.array(union))
+            # the union on one stack (no bypassed experts apart: each
+            # token's call takes its own experts out of it)
+            arrays, positions, _ = type(self.store).gather(self.store, layer, np.array(union))
             self._fetched = (arrays, dict(zip(union, positions)))
         self._pass(j)
         self._wait(j)
         arrays, positions = self._fetched
-        return arrays, [positions[e] for e in self._wanted[j][1]]
+        return arrays, [positions[e] for e in self._wanted[j][1]], None
 
 
 class _Aborted(Exception):
@@ -704,11 +706,11 @@ class _Decoder:
             return
         gather = store.gather
 
-        def counted(layer, wanted):
+        def counted(layer, wanted, split=False):
             self.union[0] += 1
             self.union[1] += len(wanted)
             self.union[2] += n * store.routers.get(layer, (None, len(wanted)))[1]
-            return gather(layer, wanted)
+            return gather(layer, wanted, split)
 
         store.gather = counted
         try:

@@ -298,7 +298,8 @@ class ExpertStore:
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
                       "prefetched": 0, "prefetched_bytes": 0, "prefetch_used": 0,
                       "prefetch_unused": 0, "prefetch_unused_bytes": 0,
-                      "hits_first": 0}  # calls that computed cached experts while reading
+                      "hits_first": 0,  # calls that computed cached experts while reading
+                      "aside_calls": 0}  # one-token calls that computed bypassed experts apart
         # per depth: [true positives, predicted, actual]
         self.prediction = [[0, 0, 0] for _ in range(max(self.depth, 3) + 1)]
         self._predicted = {}  # layer -> {depth: (set of experts, prefetchable)}
@@ -497,9 +498,14 @@ class ExpertStore:
                 }
         return out
 
-    def gather(self, layer, wanted):
-        """(arrays, positions): tensors holding every wanted expert, and each
-        expert's position in them."""
+    def gather(self, layer, wanted, split=False):
+        """(arrays, positions, aside): tensors holding the wanted experts and
+        each expert's position in them. Experts the stack does not admit
+        (``LayerStack.assign``) are read into a stack of their own: with
+        ``split`` (a one-token call, which computes them apart) ``aside`` is
+        (its arrays, the set of those experts) and their positions are in
+        it; else every wanted expert is copied into one compact stack, and
+        ``aside`` is None."""
         wanted = [int(e) for e in wanted]
         if self.trace is not None:
             self.trace.append((layer, tuple(wanted)))
@@ -518,39 +524,39 @@ class ExpertStore:
             if e in stack:
                 stack.touch(e)
         if not missing:
-            return stack.arrays, [stack.position[e] for e in wanted]
-        keep = set(wanted)
-        places = stack.assign(missing, keep)
-        if all(p is not None for p in places.values()):
+            return stack.arrays, [stack.position[e] for e in wanted], None
+        places = stack.assign(missing, set(wanted))
+        bypassed = [e for e in missing if places[e] is None]
+        if not bypassed:
             self._fetch(layer, missing, lambda batch: stack.copy_in(
                 batch, [places[e] for e in batch.experts]))
-            return stack.arrays, [stack.position[e] for e in wanted]
-        # more experts than the stack holds (a long prefill with a small
-        # cache): the ones that found a place are copied in, and the call
-        # runs on a temporary compact stack of every wanted expert
-        parts = []
+            return stack.arrays, [stack.position[e] for e in wanted], None
+        # an own stack for the bypassed experts, filled by the same copies
+        # as the layer's (a cast, a CUDA copy); a one-token call computes
+        # them apart, any other runs on a compact stack of every wanted
+        # expert (more experts than the stack holds: a long prefill)
+        side = LayerStack(stack.layout, len(bypassed), self.dtype)
+        where = {e: i for i, e in enumerate(bypassed)}
 
         def copy(batch):
-            placed = [i for i, e in enumerate(batch.experts) if places[e] is not None]
-            if placed:
-                sub = Batch(batch.buf, [batch.experts[i] for i in placed],
-                            batch.offsets[placed], [batch.sizes[i] for i in placed], batch.source)
-                stack.copy_in(sub, [places[e] for e in sub.experts])
-            rest = [i for i, e in enumerate(batch.experts) if places[e] is None]
-            if rest:
-                parts.append(([batch.experts[i] for i in rest],
-                              staged(stack.layout, batch, rest, cast=self.dtype)))
+            for target, at in ((stack, places), (side, where)):
+                picked = [i for i, e in enumerate(batch.experts) if at.get(e) is not None]
+                if picked:
+                    target.copy_in(Batch(batch.buf, [batch.experts[i] for i in picked],
+                                         batch.offsets[picked], [batch.sizes[i] for i in picked],
+                                         batch.source), [at[batch.experts[i]] for i in picked])
 
         self._fetch(layer, missing, copy)
+        if split:
+            self.stats["aside_calls"] += 1
+            return stack.arrays, [where[e] if e in where else stack.position[e] for e in wanted], \
+                (side.arrays, set(bypassed))
         cached = [e for e in wanted if e in stack]
-        order = cached + [e for experts, _ in parts for e in experts]
         index = mx.array(np.array([stack.position[e] for e in cached], dtype=np.uint32))
-        arrays = {}
-        for key, arr in stack.arrays.items():
-            pieces = ([arr[index]] if cached else []) + [p[key] for _, p in parts]
-            arrays[key] = mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-        where = {e: i for i, e in enumerate(order)}
-        return arrays, [where[e] for e in wanted]
+        arrays = {key: mx.concatenate([arr[index], side.arrays[key]]) if cached else side.arrays[key]
+                  for key, arr in stack.arrays.items()}
+        order = {e: i for i, e in enumerate(cached + bypassed)}
+        return arrays, [order[e] for e in wanted], None
 
     def preload(self, order=None):
         """Fill each layer's stack before the first token: ``order`` maps a
@@ -664,27 +670,42 @@ class StreamingExperts(nn.Module):
         store.clock(ids.size // ids.shape[-1] <= store.DECODE_ROWS)
         early = self._hits_first(x, ids, unique)  # this layer's reads go first
         store.prefetch(guesses)
-        arrays, positions = store.gather(layer, unique)
+        one_token = ids.size == ids.shape[-1]
+        arrays, positions, aside = store.gather(layer, unique, split=one_token)
         store._end_call()
         self._bind(arrays)
         lut = self._lut  # entries of other experts are stale, and unread
         lut[unique] = positions
-        if early is None:
+        if early is None and aside is None:
             y = self._inner(x, mx.array(lut[ids]))
         else:
-            hit, y_hit = early
-            miss = np.flatnonzero(~hit)
-            y_miss = self._inner(x, mx.array(lut[ids[..., miss]]))
-            order = np.argsort(np.concatenate([np.flatnonzero(hit), miss]))
-            y = mx.take(mx.concatenate([y_hit, y_miss], axis=-2), mx.array(order), axis=-2)
+            # one token, its experts in groups computed apart (cached early,
+            # the rest of the stack, the bypassed ones' own stack), then put
+            # back in order: each (token, expert) product is the same either way
+            flat = ids.ravel()
+            rest = np.ones(flat.size, dtype=bool)
+            ys, slots = [], []
+            if early is not None:
+                hit, y_hit = early
+                ys.append(y_hit)
+                slots.append(np.flatnonzero(hit))
+                rest &= ~hit
+            side = np.array([e in aside[1] for e in flat.tolist()]) if aside else np.zeros_like(rest)
+            for group, group_arrays in ((rest & ~side, arrays), (rest & side, aside and aside[0])):
+                if group.any():
+                    self._bind(group_arrays)
+                    sel = np.flatnonzero(group)
+                    ys.append(self._inner(x, mx.array(lut[ids[..., sel]])))
+                    slots.append(sel)
+            order = np.argsort(np.concatenate(slots))
+            y = ys[0] if len(ys) == 1 else \
+                mx.take(mx.concatenate(ys, axis=-2), mx.array(order), axis=-2)
         if prof:  # stall and copy spans lie inside: the summary takes them out
             prof.span("host", layer, t2, time.monotonic_ns())
-        stack = store.stacks[layer]
-        if arrays is not stack.arrays:
-            # a temporary compact stack: the graph of y holds it until y is
-            # evaluated; the module must not keep it alive until the layer's
-            # next call (one per layer adds up to several layers' experts)
-            self._bind(stack.arrays)
+        # a compact or bypassed experts' stack: the graph of y holds it until
+        # y is evaluated; the module must not keep it alive until the layer's
+        # next call (one per layer adds up to several layers' experts)
+        self._bind(store.stacks[layer].arrays)
         return y
 
     def _hits_first(self, x, ids, unique):

@@ -54,6 +54,7 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
         m = report["modes"][name]
         assert m["copy_mode"] == "host" and m["arena_pinned"] is None
         assert m["copy_s_per_token"] > 0 and m["copy_gb_s"] > 0
+        assert 0 <= m["aside_calls"] <= m["misses"]
 
 
 def test_bench_without_hits_first(prep_model, tmp_path):
