@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|ship|tinyspec|overhead|split
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|ship|tinyspec|overhead|split|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -91,9 +91,9 @@ spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gr
   S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify ${VERIFY:-exact,rowwise}"
   want() { case " ${SPECS:-mtp-25 mtp-resident ngram} " in *" $1 "*) return 0;; esac; return 1; }
   want mtp-25 && { log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
-    --num-draft 1,2,3 --prompt @prose --json "$OUT/spec-mtp-25-${VERIFY:-both}.json" 2>&1 | tail -12; }
+    --num-draft ${KS:-1,2,3} --prompt @prose --json "$OUT/spec-mtp-25-${VERIFY:-both}.json" 2>&1 | tail -12; }
   want mtp-resident && { log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft mtp \
-    --num-draft 1,2,3 --draft-check --prompt @prose --json "$OUT/spec-mtp-100-${VERIFY:-both}.json" 2>&1 | tail -12; }
+    --num-draft ${KS:-1,2,3} --draft-check --prompt @prose --json "$OUT/spec-mtp-100-${VERIFY:-both}.json" 2>&1 | tail -12; }
   want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft ngram \
     --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
@@ -149,4 +149,6 @@ split)  # the profile's split of a decode token, and the per-layer cost in bench
     --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3; }
   log "kernels"
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
+probecopy)  # the CUDA copies and the kernels of small verify passes, apart (scripts/gpu/copy_probe.py)
+  log copy; timeout ${PROBE_S:-150} python3 -X faulthandler scripts/gpu/copy_probe.py --json "$OUT/copy.json" | tail -60 ;;
 esac

@@ -1,0 +1,201 @@
+"""Where a streamed layer's CUDA copies and small verify passes spend their
+time, on the lent H200 (scripts/gpu/visit.sh probecopy):
+
+- copies: records shaped like the small qwen3_next's (4-bit gate/up/down,
+  bfloat16 scales and biases, 9 tensors) from a registered host mapping into
+  MLX stacks by ``native.cuda_copy``, per batch size, with the GPU idle and
+  behind queued kernels, pinned and staged; and a kernel reading the copied
+  positions right after the copy against the same kernel again (a managed
+  page that migrated would show there);
+- kernels: ``mx.gather_qmm`` and a dense quantized matmul at 1-4 rows (a
+  verify pass of K drafts has K+1 rows).
+
+Prints one JSON object (and writes it with --json).
+"""
+
+import argparse
+import ctypes
+import json
+import mmap
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import native
+
+HIDDEN, INTER, EXPERTS, TOP, CAP = 1024, 384, 128, 8, 32
+
+
+def median_ms(f, reps):
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(out), min(out), max(out)
+
+
+def cudart():
+    """The CUDA runtime MLX loaded (the same handle), or None."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart" in line}
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+
+
+def pointer_type(rt, addr):
+    """cudaPointerGetAttributes' type: 0 unregistered, 1 host, 2 device, 3 managed."""
+    attrs = (ctypes.c_int * 64)()  # room for newer runtimes' reserved fields
+    rc = rt.cudaPointerGetAttributes(attrs, ctypes.c_void_p(addr))
+    return attrs[0] if rc == 0 else f"error {rc}"
+
+
+def stacks():
+    """A stack of CAP positions for each of the 9 tensors, as mlx-lm stores them."""
+    out = []
+    for rows, cols in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)):
+        w = mx.random.normal((CAP, rows, cols)).astype(mx.bfloat16)
+        out += list(mx.quantize(w, group_size=64, bits=4))
+    mx.eval(out)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--busy-dim", type=int, default=4096, help="side of the queued matmuls")
+    p.add_argument("--json")
+    args = p.parse_args()
+    res = {"device": str(mx.default_device())}
+    arrays = stacks()
+    nbytes = [a.nbytes // CAP for a in arrays]
+    record = sum(nbytes)
+    addrs = [native.address(a) for a in arrays]
+    res["record_bytes"] = record
+    rt = cudart()
+    res["stack_pointer_type"] = pointer_type(rt, addrs[0]) if rt else None
+
+    # the arena stand-in: 64 records, each tensor's bytes one after another
+    n_records = 64
+    arena = mmap.mmap(-1, n_records * record)
+    arena[:] = np.random.default_rng(0).integers(0, 255, n_records * record, dtype=np.uint8).tobytes()
+    res["arena_pinned"] = bool(native.cuda_register(arena, True))
+    res["arena_pointer_type"] = pointer_type(rt, native.address(arena)) if rt else None
+    offs = np.cumsum([0] + nbytes[:-1])
+
+    def plan(records, positions):
+        rows = [(addrs[t] + pos * nbytes[t], r * record + int(offs[t]), nbytes[t])
+                for t in range(len(arrays)) for r, pos in zip(records, positions)]
+        return np.array(rows, dtype=np.int64)
+
+    x = mx.random.normal((args.busy_dim, args.busy_dim)).astype(mx.bfloat16)
+    mx.eval(x)
+
+    def busy(n=20):  # ~ms of queued GPU work
+        y = x
+        for _ in range(n):
+            y = y @ x
+        mx.async_eval(y)
+        return y
+
+    copies = {}
+    for k in (1, 2, 4, 8, 16):
+        pl = plan(list(range(k)), list(range(k)))
+        for pinned in (True, False):
+            native.cuda_copy(arena, pl, pinned)  # warm
+            idle = median_ms(lambda: native.cuda_copy(arena, pl, pinned), args.reps)
+            behind = []
+            for _ in range(max(args.reps // 4, 3)):
+                y = busy()
+                t = time.perf_counter()
+                native.cuda_copy(arena, pl, pinned)
+                behind.append((time.perf_counter() - t) * 1e3)
+                mx.eval(y)
+            copies[f"{k}-{'pinned' if pinned else 'staged'}"] = {
+                "rows": len(pl), "bytes": k * record, "idle_ms": idle,
+                "gb_s_idle": k * record / idle[0] / 1e6,
+                "behind_kernels_ms": statistics.median(behind)}
+    res["copies"] = copies
+    # the last copies (16 records, pinned) landed: each tensor's rows equal the arena's bytes
+    buf = np.frombuffer(arena, dtype=np.uint8)
+    res["copies_verified"] = all(
+        np.array(arrays[t][r].view(mx.uint8)).tobytes() == buf[r * record + int(offs[t]):][:nbytes[t]].tobytes()
+        for t in range(len(arrays)) for r in range(16))
+    if rt:  # the same copies into plain device memory (cudaMalloc), not MLX's
+        dev = ctypes.c_void_p()
+        if rt.cudaMalloc(ctypes.byref(dev), ctypes.c_size_t(CAP * record)) == 0:
+            base = dev.value
+            for k in (2, 8):
+                pl = np.array([(base + (i * len(arrays) + t) * nbytes[t], r * record + int(offs[t]), nbytes[t])
+                               for t in range(len(arrays)) for i, r in enumerate(range(k))], dtype=np.int64)
+                native.cuda_copy(arena, pl, True)
+                idle = median_ms(lambda: native.cuda_copy(arena, pl, True), args.reps)
+                behind = []
+                for _ in range(max(args.reps // 4, 3)):
+                    y = busy()
+                    t = time.perf_counter()
+                    native.cuda_copy(arena, pl, True)
+                    behind.append((time.perf_counter() - t) * 1e3)
+                    mx.eval(y)
+                res[f"device_dest_{k}"] = {"idle_ms": idle[0], "behind_kernels_ms": statistics.median(behind)}
+            rt.cudaFree(dev)
+        # the stacks' copies behind a queue of small kernels (decode-sized)
+        small = mx.random.normal((1, HIDDEN)).astype(mx.bfloat16)
+        sw = mx.random.normal((HIDDEN, HIDDEN)).astype(mx.bfloat16)
+        mx.eval(small, sw)
+        pl = plan([0, 1], [0, 1])
+        behind = []
+        for _ in range(max(args.reps // 4, 3)):
+            y = small
+            for _ in range(400):
+                y = y @ sw
+            mx.async_eval(y)
+            t = time.perf_counter()
+            native.cuda_copy(arena, pl, True)
+            behind.append((time.perf_counter() - t) * 1e3)
+            mx.eval(y)
+        res["behind_small_kernels_2_ms"] = statistics.median(behind)
+
+    # a kernel reading copied positions: first after the copy, then again
+    idx = mx.array(np.arange(8, dtype=np.uint32))
+    xs = mx.random.normal((1, 1, 1, HIDDEN)).astype(mx.bfloat16)
+    w, s, b = arrays[0], arrays[1], arrays[2]
+
+    def read_kernel():
+        mx.eval(mx.gather_qmm(xs, w, s, b, rhs_indices=idx[None], transpose=True,
+                              group_size=64, bits=4))
+    read_kernel()
+    after, again = [], []
+    for i in range(args.reps):
+        native.cuda_copy(arena, plan(list(range(8)), list(range(8))), True)
+        t = time.perf_counter(); read_kernel(); after.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter(); read_kernel(); again.append((time.perf_counter() - t) * 1e3)
+    res["read_after_copy_ms"] = statistics.median(after)
+    res["read_again_ms"] = statistics.median(again)
+
+    # kernels at the row counts of verify passes
+    kern = {}
+    wd, sd, bd = mx.quantize(mx.random.normal((HIDDEN, HIDDEN)).astype(mx.bfloat16), group_size=64, bits=4)
+    for m in (1, 2, 3, 4, 8):
+        xm = mx.random.normal((m, 1, 1, 1, HIDDEN)).astype(mx.bfloat16)
+        ids = mx.array(np.random.default_rng(m).integers(0, CAP, (m, 1, TOP)).astype(np.uint32))
+        xd = mx.random.normal((m, HIDDEN)).astype(mx.bfloat16)
+
+        def g():
+            mx.eval(mx.gather_qmm(xm, w, s, b, rhs_indices=ids, transpose=True, group_size=64, bits=4))
+
+        def d():
+            mx.eval(mx.quantized_matmul(xd, wd, sd, bd, transpose=True, group_size=64, bits=4))
+        g(); d()
+        kern[m] = {"gather_qmm_ms": median_ms(g, args.reps)[0], "qmm_ms": median_ms(d, args.reps)[0]}
+    res["kernels_by_rows"] = kern
+    native.cuda_unregister(arena)
+    print(json.dumps(res, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
