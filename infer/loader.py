@@ -10,7 +10,7 @@ from mlx_lm.utils import _get_classes, load_model
 from shared.blob import Manifest, ManifestError
 
 from . import coldstart
-from .budget import cached_expert_bytes, cached_layers
+from .budget import cached_expert_bytes, cached_layers, top_k
 from .predict import Calibration
 from .streaming import ExpertStore, patch_model
 
@@ -53,7 +53,7 @@ def cast_model(model, dtype):
 
 
 def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
-                   preload=True, group=None, mtp_cache=False):
+                   preload=True, group=None, mtp_cache=False, whole_layers=True):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
@@ -63,7 +63,10 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     ``group``: an ``mx.distributed`` group to pipeline over
     (infer.distributed): the model keeps this rank's layers only, and the
     store streams their experts only. ``mtp_cache``: an MTP head will draft,
-    so its layers share the expert cache (else they get none of it)."""
+    so its layers share the expert cache (else they get none of it).
+    ``whole_layers``: a ``usage.json`` may make some layers' stacks whole
+    (``infer.budget.split_cache``); False splits the cache evenly, as a
+    ``--mem-budget`` plan counts it."""
     model_dir = Path(model_dir)
     manifest = check_prep_folder(model_dir)
     if group is not None:
@@ -73,7 +76,9 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     if cache_bytes is None:
         cache_bytes = int(cached_expert_bytes(manifest, mtp_cache) * DEFAULT_CACHE_FRACTION)
     store = ExpertStore(manifest, source, cache_bytes, calibration=Calibration.load(model_dir),
-                        cached=[l.layer for l in cached_layers(manifest, mtp_cache)])
+                        cached=[l.layer for l in cached_layers(manifest, mtp_cache)],
+                        usage=coldstart.read_usage(model_dir) if whole_layers else None,
+                        top_k=top_k(model_dir))
     store.dtype = dtype
     store.set_disk(model_dir)
 
@@ -121,7 +126,6 @@ def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=N
     ``iod_timeout``: seconds the daemon may stand still before a call raises
     ``infer.client.DaemonDead`` (a slow disk is waited for).
     """
-    from .budget import top_k
     from .client import IodClient
 
     check_prep_folder(model_dir)

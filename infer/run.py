@@ -260,8 +260,10 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None):
     dtype = mx_dtype(args.dtype)
     if plan is not None:
         budget.limit_process(plan)
+    # a memory plan counts an even split of the cache (budget._fill)
     model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype,
-                                             group=group(), mtp_cache=drafts_with_mtp(args.draft, args.model))
+                                             group=group(), mtp_cache=drafts_with_mtp(args.draft, args.model),
+                                             whole_layers=plan is None)
     if plan is not None:
         budget.release_page_cache(args.model)
     profiler = None

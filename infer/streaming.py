@@ -34,6 +34,7 @@ from shared.blob import NUMPY_DTYPES
 from shared.source import Batch
 
 from . import predict
+from .budget import split_cache
 from .client import DaemonDead
 
 _MX_DTYPES = {
@@ -244,8 +245,9 @@ class ExpertStore:
 
     ``source`` is a ``shared.source.ExpertSource``: ``infer.client.IodClient``
     (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
-    in this process). ``cache_bytes`` is split evenly over the stacks of
-    the ``cached`` layers (default: all). With ``depth > 0`` each MoE layer
+    in this process). ``cache_bytes`` is split over the stacks of the
+    ``cached`` layers (default: all) by ``infer.budget.split_cache``: evenly,
+    or with whole layers where a calibration's ``usage`` says they pay. With ``depth > 0`` each MoE layer
     also guesses the experts of the next ``depth`` layers from its own
     input, and hints the source to prefetch the guesses worth reading
     (``plan``). The guesses are the next layers' routers applied to that
@@ -263,7 +265,8 @@ class ExpertStore:
     GATE_DECAY = 0.99  # per scored guess set: the gate follows the last ~100
     CLOCK_DECAY = 0.9  # per decode-sized layer call: the compute time follows the last ~10
 
-    def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None, cached=None):
+    def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None, cached=None,
+                 usage=None, top_k=8):
         self.manifest = manifest
         self.source = source
         self.cache_bytes = cache_bytes
@@ -271,6 +274,7 @@ class ExpertStore:
         # the layers the cache is shared over (infer.budget.cached_layers);
         # any other layer streams each call through a compact stack
         self.cached = set(self.layouts) if cached is None else set(cached)
+        self.capacity = split_cache([self.layouts[l] for l in sorted(self.cached)], cache_bytes, usage, top_k)
         self.stacks = {}
         self.depth = depth
         self.calibration = calibration  # an infer.predict.Calibration, or None
@@ -314,10 +318,7 @@ class ExpertStore:
 
     def stack(self, layer):
         if layer not in self.stacks:
-            layout = self.layouts[layer]
-            share = self.cache_bytes // max(len(self.cached), 1)
-            capacity = min(share // layout.record_bytes, layout.num_experts) if layer in self.cached else 0
-            self.stacks[layer] = LayerStack(layout, capacity, self.dtype)
+            self.stacks[layer] = LayerStack(self.layouts[layer], self.capacity.get(layer, 0), self.dtype)
         return self.stacks[layer]
 
     def set_routers(self, routers):
@@ -568,6 +569,9 @@ class ExpertStore:
             if stack.capacity <= 0:
                 continue
             ranked = list(order.get(layer, ())) if order else list(range(layout.num_experts))
+            if stack.identity:  # a whole layer: the unused experts too, so it starts complete
+                listed = set(ranked)
+                ranked += [e for e in range(layout.num_experts) if e not in listed]
             want = [e for e in ranked if e not in stack][: stack.capacity - len(stack.position)]
             if not want:
                 continue
@@ -650,8 +654,11 @@ class StreamingExperts(nn.Module):
         store = self._store
         stack = store.stacks.get(self._layout.layer)
         if stack is not None and stack.complete and store.trace is None:
-            # every expert resident at its own index: the resident model's call
+            # every expert resident at its own index: the resident model's
+            # call (bound here too: a stack filled by the cold-start preload
+            # is complete before the layer's first call)
             store.stats["hits"] += indices.size
+            self._bind(stack.arrays)
             return self._inner(x, indices)
         # Reading the routed ids forces evaluation up to the router: inherent
         # to streaming, and the only sync per MoE layer. The next layers'

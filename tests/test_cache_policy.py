@@ -197,3 +197,59 @@ def test_policy_traces_record_each_call_and_the_next_layers_guesses(trained_prep
             assert all(0 <= e < 64 for e in experts)
             nxt = [l for l in layers if l > layer][:2]
             assert [(g[0], g[1]) for g in guesses] == [(l, d) for d, l in enumerate(nxt, 1)]
+
+
+def test_split_cache_makes_whole_layers_only_where_they_pay():
+    """Evenly without counts; with counts skewed toward a few experts, a
+    budget near the model's size makes whole layers (they run as the
+    resident model does) and a small one stays even; never over budget."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from infer.budget import split_cache
+
+    layouts = [SimpleNamespace(layer=l, num_experts=64, record_bytes=1000) for l in range(4)]
+    every = 4 * 64 * 1000
+    assert set(split_cache(layouts, every // 2).values()) == {32}
+    skewed = {l: Counter({e: 1000 // (e + 1) for e in range(64)}) for l in range(4)}
+    for fraction in (0.1, 0.25, 0.5, 0.75, 0.9):
+        caps = split_cache(layouts, int(every * fraction), skewed)
+        assert sum(caps.values()) * 1000 <= every * fraction
+    high = split_cache(layouts, int(every * 0.9), skewed)
+    assert 0 < sum(c == 64 for c in high.values()) < 4
+    assert set(split_cache(layouts, int(every * 0.1), skewed).values()) == {6}
+    # counts missing for a layer: even
+    assert set(split_cache(layouts, int(every * 0.9), {0: skewed[0]}).values()) == {57}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_model, trained_prep):
+    """With a usage.json and 90% of the expert bytes, some stacks are whole
+    from the cold-start preload, before their layer's first call: those
+    layers run the resident call (bound to the stack) and the others stream;
+    greedy ids equal mlx-lm's."""
+    import shutil
+
+    import mlx_lm
+
+    from infer.loader import load_streaming
+    from iod.inproc import InprocSource
+
+    ref_model, tok = mlx_lm.load(str(trained_model(arch)))
+    ids = heldout_ids(trained_model(arch), tok)[:40]
+    ref = [t for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=16)]
+    prep = tmp_path / "prep"
+    shutil.copytree(trained_prep(arch), prep)
+    coldstart.calibrate(prep, (trained_model(arch) / "heldout.txt").read_text(), max_tokens=64)
+    source = InprocSource(prep)
+    try:
+        cached = [l for l in source.manifest.layers if l.layer in set(coldstart.read_usage(prep))]
+        budget = int(sum(l.num_experts * l.record_bytes for l in cached) * 0.9)
+        model, _, store = load_streaming(prep, source, budget)
+        whole = [l for l, s in store.stacks.items() if s.complete]
+        assert 0 < len(whole) < len(cached)
+        out = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=16)]
+        assert out == ref
+        assert store.stats["misses"] > 0
+    finally:
+        source.close()
