@@ -334,8 +334,9 @@ def minimum_budget(model_dir, manifest, private_daemon=True, depth=2, dtype=None
 
 def _fill(plan, budget, manifest, real, mtp_cache=False):
     """The expert cache gets what is left: the same share for every cached
-    layer (as ``ExpertStore`` splits it), whole experts at their real size,
-    one position per stack at least (a stack always has one)."""
+    layer (as ``ExpertStore`` splits it under a plan: no whole layers),
+    whole experts at their real size, one position per stack at least (a
+    stack always has one)."""
     layouts = cached_layers(manifest, mtp_cache)
     free = budget - plan.minimum - sum(real.values())
     share = max(0, free) // len(layouts)

@@ -105,9 +105,11 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         mx.clear_cache()
         from .distributed import group
 
+        # a --mem-budget plan counts an even split of the cache
         model, tokenizer, store = load_streaming(
             model_path, self.source, self.cache_bytes, self._tokenizer_config,
-            dtype=mx_dtype(self.cli_args.dtype), group=group())
+            dtype=mx_dtype(self.cli_args.dtype), group=group(),
+            whole_layers=self.cli_args.mem_budget is None)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
