@@ -247,11 +247,11 @@ class ExpertStore:
     (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
     in this process). ``cache_bytes`` is split over the stacks of the
     ``cached`` layers (default: all) by ``infer.budget.split_cache``: evenly,
-    or with whole layers where a calibration's ``usage`` says they pay. With ``depth > 0`` each MoE layer
-    also guesses the experts of the next ``depth`` layers from its own
-    input, and hints the source to prefetch the guesses worth reading
-    (``plan``). The guesses are the next layers' routers applied to that
-    input, or with a ``calibration``
+    or with whole layers where a calibration's ``usage`` says they pay. With
+    ``depth > 0`` each MoE layer also guesses the experts of the next
+    ``depth`` layers from its own input, and hints the source to prefetch
+    the guesses worth reading (``plan``). The guesses are the next layers'
+    routers applied to that input, or with a ``calibration``
     (``infer.predict``, from ``infer prep --calibrate``) the predictor and
     breadth it chose per layer and depth.
     """
@@ -274,7 +274,8 @@ class ExpertStore:
         # the layers the cache is shared over (infer.budget.cached_layers);
         # any other layer streams each call through a compact stack
         self.cached = set(self.layouts) if cached is None else set(cached)
-        self.capacity = split_cache([self.layouts[l] for l in sorted(self.cached)], cache_bytes, usage, top_k)
+        self.capacity = split_cache([self.layouts[l] for l in sorted(self.cached)], cache_bytes,
+                                    usage, top_k)  # layer -> positions
         self.stacks = {}
         self.depth = depth
         self.calibration = calibration  # an infer.predict.Calibration, or None

@@ -120,15 +120,16 @@ def main():
     # the last copies (16 records, pinned) landed: each tensor's rows equal the arena's bytes
     buf = np.frombuffer(arena, dtype=np.uint8)
     res["copies_verified"] = all(
-        np.array(arrays[t][r].view(mx.uint8)).tobytes() == buf[r * record + int(offs[t]):][:nbytes[t]].tobytes()
+        np.array(arrays[t][r].view(mx.uint8)).tobytes()
+        == buf[r * record + int(offs[t]):][:nbytes[t]].tobytes()
         for t in range(len(arrays)) for r in range(16))
     if rt:  # the same copies into plain device memory (cudaMalloc), not MLX's
         dev = ctypes.c_void_p()
         if rt.cudaMalloc(ctypes.byref(dev), ctypes.c_size_t(CAP * record)) == 0:
             base = dev.value
-            for k in (2, 8):
-                pl = np.array([(base + (i * len(arrays) + t) * nbytes[t], r * record + int(offs[t]), nbytes[t])
-                               for t in range(len(arrays)) for i, r in enumerate(range(k))], dtype=np.int64)
+            for k in (2, 8):  # record r's tensors one after another at r * record
+                pl = np.array([(base + r * record + int(offs[t]), r * record + int(offs[t]), nbytes[t])
+                               for t in range(len(arrays)) for r in range(k)], dtype=np.int64)
                 native.cuda_copy(arena, pl, True)
                 idle = median_ms(lambda: native.cuda_copy(arena, pl, True), args.reps)
                 behind = []
