@@ -221,17 +221,16 @@ class LayerStack:
         return self.capacity * self.layout.record_bytes
 
 
-def staged(layout, batch, order=None, cast=None, segments=None):
-    """{(projection, tensor): MLX array of the batch's records (those at
-    ``order``), stacked, floats cast to ``cast``}: one native copy into host
-    staging and one ``mx.array`` per tensor (of ``segments``, default all)."""
-    order = range(len(batch)) if order is None else order
-    n = len(order)
+def staged(layout, batch, cast=None, segments=None):
+    """{(projection, tensor): MLX array of the batch's records, stacked,
+    floats cast to ``cast``}: one native copy into host staging and one
+    ``mx.array`` per tensor (of ``segments``, default all)."""
+    n = len(batch)
     out = {}
     offsets = batch.offsets.tolist()
     for s in layout.segments if segments is None else segments:
         buf = np.empty((n, s.nbytes), dtype=np.uint8)
-        rows = [(0, j * s.nbytes, offsets[i] + s.offset, s.nbytes) for j, i in enumerate(order)]
+        rows = [(0, j * s.nbytes, offsets[j] + s.offset, s.nbytes) for j in range(n)]
         native.copy_regions([buf], batch.buf, np.array(rows, dtype=np.int64))
         a = mx.array(buf.view(NUMPY_DTYPES[s.dtype]).reshape(n, *s.shape))
         dtype = _MX_DTYPES[s.dtype]

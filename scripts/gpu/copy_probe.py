@@ -99,23 +99,28 @@ def main():
         mx.async_eval(y)
         return y
 
+    def timed(pl, pinned, queue=busy):
+        """(median, min, max) ms of the copy with the GPU idle, and the median
+        ms of the same copy issued right after ``queue()`` queued GPU work."""
+        native.cuda_copy(arena, pl, pinned)  # warm
+        idle = median_ms(lambda: native.cuda_copy(arena, pl, pinned), args.reps)
+        behind = []
+        for _ in range(max(args.reps // 4, 3)):
+            y = queue()
+            t = time.perf_counter()
+            native.cuda_copy(arena, pl, pinned)
+            behind.append((time.perf_counter() - t) * 1e3)
+            mx.eval(y)
+        return idle, statistics.median(behind)
+
     copies = {}
     for k in (1, 2, 4, 8, 16):
         pl = plan(list(range(k)), list(range(k)))
         for pinned in (True, False):
-            native.cuda_copy(arena, pl, pinned)  # warm
-            idle = median_ms(lambda: native.cuda_copy(arena, pl, pinned), args.reps)
-            behind = []
-            for _ in range(max(args.reps // 4, 3)):
-                y = busy()
-                t = time.perf_counter()
-                native.cuda_copy(arena, pl, pinned)
-                behind.append((time.perf_counter() - t) * 1e3)
-                mx.eval(y)
+            idle, behind = timed(pl, pinned)
             copies[f"{k}-{'pinned' if pinned else 'staged'}"] = {
                 "rows": len(pl), "bytes": k * record, "idle_ms": idle,
-                "gb_s_idle": k * record / idle[0] / 1e6,
-                "behind_kernels_ms": statistics.median(behind)}
+                "gb_s_idle": k * record / idle[0] / 1e6, "behind_kernels_ms": behind}
     res["copies"] = copies
     # the last copies (16 records, pinned) landed: each tensor's rows equal the arena's bytes
     buf = np.frombuffer(arena, dtype=np.uint8)
@@ -130,33 +135,21 @@ def main():
             for k in (2, 8):  # record r's tensors one after another at r * record
                 pl = np.array([(base + r * record + int(offs[t]), r * record + int(offs[t]), nbytes[t])
                                for t in range(len(arrays)) for r in range(k)], dtype=np.int64)
-                native.cuda_copy(arena, pl, True)
-                idle = median_ms(lambda: native.cuda_copy(arena, pl, True), args.reps)
-                behind = []
-                for _ in range(max(args.reps // 4, 3)):
-                    y = busy()
-                    t = time.perf_counter()
-                    native.cuda_copy(arena, pl, True)
-                    behind.append((time.perf_counter() - t) * 1e3)
-                    mx.eval(y)
-                res[f"device_dest_{k}"] = {"idle_ms": idle[0], "behind_kernels_ms": statistics.median(behind)}
+                idle, behind = timed(pl, True)
+                res[f"device_dest_{k}"] = {"idle_ms": idle[0], "behind_kernels_ms": behind}
             rt.cudaFree(dev)
         # the stacks' copies behind a queue of small kernels (decode-sized)
         small = mx.random.normal((1, HIDDEN)).astype(mx.bfloat16)
         sw = mx.random.normal((HIDDEN, HIDDEN)).astype(mx.bfloat16)
         mx.eval(small, sw)
-        pl = plan([0, 1], [0, 1])
-        behind = []
-        for _ in range(max(args.reps // 4, 3)):
+        def small_kernels():
             y = small
             for _ in range(400):
                 y = y @ sw
             mx.async_eval(y)
-            t = time.perf_counter()
-            native.cuda_copy(arena, pl, True)
-            behind.append((time.perf_counter() - t) * 1e3)
-            mx.eval(y)
-        res["behind_small_kernels_2_ms"] = statistics.median(behind)
+            return y
+
+        res["behind_small_kernels_2_ms"] = timed(plan([0, 1], [0, 1]), True, small_kernels)[1]
 
     # a kernel reading copied positions: first after the copy, then again
     idx = mx.array(np.arange(8, dtype=np.uint32))
