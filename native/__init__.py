@@ -6,6 +6,7 @@ from ._iodnative import (  # noqa: F401
     address,
     copy_regions,
     cuda_available,
+    cuda_batch_available,
     cuda_copy,
     cuda_register,
     cuda_unregister,

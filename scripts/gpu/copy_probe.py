@@ -4,9 +4,12 @@ time, on the lent H200 (scripts/gpu/visit.sh probecopy):
 - copies: records shaped like the small qwen3_next's (4-bit gate/up/down,
   bfloat16 scales and biases, 9 tensors) from a registered host mapping into
   MLX stacks by ``native.cuda_copy``, per batch size, with the GPU idle and
-  behind queued kernels, pinned and staged; and a kernel reading the copied
-  positions right after the copy against the same kernel again (a managed
-  page that migrated would show there);
+  behind queued kernels: pinned and staged, one cudaMemcpyAsync a row or
+  batched (cudaMemcpyBatchAsync, plain, asking to overlap compute, with the
+  destination's device hinted); the same bytes as one row a record and as
+  one row in all (whether a copy's time goes with its calls or its bytes);
+  and a kernel reading the copied positions right after the copy against
+  the same kernel again (a managed page that migrated would show there);
 - kernels: ``mx.gather_qmm`` and a dense quantized matmul at 1-4 rows (a
   verify pass of K drafts has K+1 rows).
 
@@ -73,7 +76,8 @@ def main():
     record = sum(nbytes)
     addrs = [native.address(a) for a in arrays]
     res["record_bytes"] = record
-    rt = cudart()
+    res["batch_available"] = native.cuda_available() and native.cuda_batch_available()
+    rt = cudart()  # after cuda_available: native has loaded the runtime by now
     res["stack_pointer_type"] = pointer_type(rt, addrs[0]) if rt else None
 
     # the arena stand-in: 64 records, each tensor's bytes one after another
@@ -99,35 +103,55 @@ def main():
         mx.async_eval(y)
         return y
 
-    def timed(pl, pinned, queue=busy):
+    def timed(pl, pinned, queue=busy, batch=0):
         """(median, min, max) ms of the copy with the GPU idle, and the median
         ms of the same copy issued right after ``queue()`` queued GPU work."""
-        native.cuda_copy(arena, pl, pinned)  # warm
-        idle = median_ms(lambda: native.cuda_copy(arena, pl, pinned), args.reps)
+        native.cuda_copy(arena, pl, pinned, batch)  # warm
+        idle = median_ms(lambda: native.cuda_copy(arena, pl, pinned, batch), args.reps)
         behind = []
         for _ in range(max(args.reps // 4, 3)):
             y = queue()
             t = time.perf_counter()
-            native.cuda_copy(arena, pl, pinned)
+            native.cuda_copy(arena, pl, pinned, batch)
             behind.append((time.perf_counter() - t) * 1e3)
             mx.eval(y)
         return idle, statistics.median(behind)
 
+    # whole records into one uint8 stack: one row a record, or one for all
+    landing = mx.zeros((CAP, record), dtype=mx.uint8)
+    mx.eval(landing)
+    land = native.address(landing)
+    ways = {"pinned": (True, 0), "staged": (False, 0)}
+    if res["batch_available"]:
+        ways.update({"batched": (True, 1), "batched-overlap": (True, 3),
+                     "batched-hint": (True, 5), "staged-batched": (False, 1)})
     copies = {}
     for k in (1, 2, 4, 8, 16):
-        pl = plan(list(range(k)), list(range(k)))
-        for pinned in (True, False):
-            idle, behind = timed(pl, pinned)
-            copies[f"{k}-{'pinned' if pinned else 'staged'}"] = {
+        plans = {name: (plan(list(range(k)), list(range(k))), pinned, batch)
+                 for name, (pinned, batch) in ways.items()}
+        plans["whole-records"] = (np.array([(land + r * record, r * record, record) for r in range(k)],
+                                           dtype=np.int64), True, 0)
+        plans["one-row"] = (np.array([(land, 0, k * record)], dtype=np.int64), True, 0)
+        for name, (pl, pinned, batch) in plans.items():
+            idle, behind = timed(pl, pinned, batch=batch)
+            copies[f"{k}-{name}"] = {
                 "rows": len(pl), "bytes": k * record, "idle_ms": idle,
                 "gb_s_idle": k * record / idle[0] / 1e6, "behind_kernels_ms": behind}
     res["copies"] = copies
-    # the last copies (16 records, pinned) landed: each tensor's rows equal the arena's bytes
+    res["landing_verified"] = np.array(landing[:16]).tobytes() == bytes(arena[:16 * record])
+    # each way's copies land: the stacks zeroed, 16 records copied to
+    # positions 15..0, each tensor's rows then equal to the arena's bytes
     buf = np.frombuffer(arena, dtype=np.uint8)
-    res["copies_verified"] = all(
-        np.array(arrays[t][r].view(mx.uint8)).tobytes()
-        == buf[r * record + int(offs[t]):][:nbytes[t]].tobytes()
-        for t in range(len(arrays)) for r in range(16))
+    zeros = bytearray(n_records * record)
+    verified = {}
+    for name, (pinned, batch) in ways.items():
+        native.cuda_copy(zeros, plan(list(range(16)), list(range(16))), False, 0)
+        native.cuda_copy(arena, plan(list(range(16)), list(range(15, -1, -1))), pinned, batch)
+        verified[name] = all(
+            np.array(arrays[t][15 - r].view(mx.uint8)).tobytes()
+            == buf[r * record + int(offs[t]):][:nbytes[t]].tobytes()
+            for t in range(len(arrays)) for r in range(16))
+    res["copies_verified"] = verified
     if rt:  # the same copies into plain device memory (cudaMalloc), not MLX's
         dev = ctypes.c_void_p()
         if rt.cudaMalloc(ctypes.byref(dev), ctypes.c_size_t(CAP * record)) == 0:
@@ -149,7 +173,9 @@ def main():
             mx.async_eval(y)
             return y
 
-        res["behind_small_kernels_2_ms"] = timed(plan([0, 1], [0, 1]), True, small_kernels)[1]
+        res["behind_small_kernels_2_ms"] = {
+            name: timed(plan([0, 1], [0, 1]), pinned, small_kernels, batch)[1]
+            for name, (pinned, batch) in ways.items() if pinned}
 
     # a kernel reading copied positions: first after the copy, then again
     idx = mx.array(np.arange(8, dtype=np.uint32))
