@@ -335,7 +335,7 @@ def worker(args) -> dict:
     from .belady import belady_misses
     from .budget import staging_arena_bytes
     from .mtp import drafts_with_mtp
-    from .streaming import copy_batch, copy_mode
+    from .streaming import copy_mode
 
     from . import distributed
 
@@ -479,9 +479,6 @@ def worker(args) -> dict:
         # the rate (decode), and on CUDA whether the arena's mapping is pinned
         # (a refused cudaHostRegister leaves pageable copies, several times slower)
         "copy_mode": copy_mode(),
-        # on CUDA, how a plan's copies are issued: cudaMemcpyBatchAsync's
-        # bits in native.cuda_copy (0: one cudaMemcpyAsync a row)
-        "copy_batch": copy_batch() if copy_mode() == "cuda" else None,
         "copy_s_per_token": med(r["copy_s_per_token"] for r in runs),
         "copy_gb_s": last["decode_bytes"] / last["copy_s"] / 1e9 if last["copy_s"] else None,
         "arena_pinned": last["arena_pinned"],

@@ -19,7 +19,6 @@ temporary compact stack.
 """
 
 import math
-import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -81,16 +80,6 @@ def copy_mode() -> str:
     if mx.default_device() == mx.cpu or mx.metal.is_available():
         return "host"
     return "cuda" if native.cuda_available() else "staged"
-
-
-def copy_batch() -> int:
-    """How native.cuda_copy issues a plan's copies: its batch bits (1, one
-    cudaMemcpyBatchAsync; $IOD_CUDA_BATCH overrides) or 0 (one
-    cudaMemcpyAsync a row, where the runtime has no batch call)."""
-    if not native.cuda_batch_available():
-        return 0
-    env = os.environ.get("IOD_CUDA_BATCH", "")
-    return int(env) if env else 1
 
 
 # the highest use a guess past its predictor's breadth is planned with: below

@@ -6,7 +6,6 @@ from ._iodnative import (  # noqa: F401
     address,
     copy_regions,
     cuda_available,
-    cuda_batch_available,
     cuda_copy,
     cuda_register,
     cuda_unregister,

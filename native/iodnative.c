@@ -326,7 +326,11 @@ static PyObject *pread_full(PyObject *self, PyObject *args) {
  * reads the positions a plan writes. Where the arena could not be pinned,
  * rows go through a pinned staging buffer of ours, so the DMA still runs
  * at pinned speed (a pageable cudaMemcpy is staged by the driver and
- * synchronous, ~2 GB/s). */
+ * synchronous, ~2 GB/s). Each row is one DMA into MLX's managed memory:
+ * on the H200 ~5 us a row idle and ~25 us behind queued kernels, however it
+ * is issued (cudaMemcpyBatchAsync changed nothing), against ~50 GB/s for
+ * one large row (scripts/gpu/copy_probe.py; docs/benchmarks.md, "Seventh
+ * lease"). */
 typedef int (*memcpy_fn)(void *, const void *, size_t, int);
 typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
 typedef int (*register_fn)(void *, size_t, unsigned int);
@@ -335,11 +339,6 @@ typedef int (*stream_create_fn)(void **, unsigned int);
 typedef int (*stream_sync_fn)(void *);
 typedef int (*host_alloc_fn)(void **, size_t, unsigned int);
 typedef int (*last_error_fn)(void);
-typedef int (*int_out_fn)(int *);
-/* cudaMemcpyBatchAsync: CUDA 12.8-12.9 take a failure index before the
- * stream, 13 and later do not */
-typedef int (*batch12_fn)(void **, void **, size_t *, size_t, void *, size_t *, size_t, size_t *, void *);
-typedef int (*batch13_fn)(void **, void **, size_t *, size_t, void *, size_t *, size_t, void *);
 static memcpy_fn cuda_memcpy;
 static memcpy_async_fn cuda_memcpy_async;
 static register_fn cuda_host_register;
@@ -348,9 +347,6 @@ static stream_create_fn cuda_stream_create;
 static stream_sync_fn cuda_stream_sync;
 static host_alloc_fn cuda_host_alloc;
 static last_error_fn cuda_get_last_error;
-static int_out_fn cuda_get_device;
-static void *cuda_memcpy_batch; /* NULL before CUDA 12.8 */
-static int cudart_version;
 static int cuda_state; /* 0 not tried, 1 loaded, -1 absent */
 static void *copy_stream; /* created on first use, never destroyed */
 static char *staging;     /* pinned, STAGING_BYTES, allocated on first use */
@@ -374,13 +370,6 @@ static int cuda_load(void) {
         cuda_stream_sync = (stream_sync_fn)dlsym(h, "cudaStreamSynchronize");
         cuda_host_alloc = (host_alloc_fn)dlsym(h, "cudaHostAlloc");
         cuda_get_last_error = (last_error_fn)dlsym(h, "cudaGetLastError");
-        cuda_get_device = (int_out_fn)dlsym(h, "cudaGetDevice");
-        /* a plan's rows in one call: on the H200 a record's 9 rows took
-         * ~45 us idle and ~230 us behind queued kernels one call each
-         * (scripts/gpu/copy_probe.py), where its bytes need ~13 us */
-        int_out_fn version = (int_out_fn)dlsym(h, "cudaRuntimeGetVersion");
-        if (version && version(&cudart_version) == 0 && cudart_version >= 12080)
-            cuda_memcpy_batch = dlsym(h, "cudaMemcpyBatchAsync");
     }
     cuda_state = (cuda_memcpy && cuda_host_register && cuda_host_unregister) ? 1 : -1;
     return cuda_state > 0;
@@ -395,11 +384,6 @@ static void clear_cuda_error(void) {
 /* cuda_available() -> bool */
 static PyObject *cuda_available(PyObject *self, PyObject *args) {
     return PyBool_FromLong(cuda_load());
-}
-
-/* cuda_batch_available() -> bool: whether cudaMemcpyBatchAsync was found */
-static PyObject *cuda_batch_available(PyObject *self, PyObject *args) {
-    return PyBool_FromLong(cuda_load() && cuda_memcpy_batch != NULL);
 }
 
 /* cuda_register(buffer, read_only) -> bool: pin a mapping for fast copies. */
@@ -428,119 +412,49 @@ static PyObject *cuda_unregister(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* How a plan's copies are issued (cuda_copy's ``batch``): */
-#define BATCH_ON 1       /* one cudaMemcpyBatchAsync for the rows gathered */
-#define BATCH_OVERLAP 2  /* its cudaMemcpyFlagPreferOverlapWithCompute */
-#define BATCH_DST_HINT 4 /* destinations hinted on the current device (managed memory) */
-
-/* cudaMemcpyAttributes (CUDA 12.8+) */
-struct memcpy_attrs {
-    int src_access_order;
-    int src_type, src_id; /* cudaMemLocation */
-    int dst_type, dst_id;
-    unsigned int flags;
-};
-
-/* One cudaMemcpyBatchAsync of ``count`` copies (CUDA 12.8+). */
-static int call_batch(void *stream, void **dst, void **src, size_t *n, size_t count, int batch) {
-    struct memcpy_attrs a = {1 /* cudaMemcpySrcAccessOrderStream */, 0, 0, 0, 0,
-                             (batch & BATCH_OVERLAP) ? 1u : 0u};
-    if ((batch & BATCH_DST_HINT) && cuda_get_device && cuda_get_device(&a.dst_id) == 0)
-        a.dst_type = 1; /* cudaMemLocationTypeDevice */
-    size_t first = 0;
-    if (cudart_version >= 13000)
-        return ((batch13_fn)cuda_memcpy_batch)(dst, src, n, count, &a, &first, 1, stream);
-    size_t failed = 0;
-    return ((batch12_fn)cuda_memcpy_batch)(dst, src, n, count, &a, &first, 1, &failed, stream);
-}
-
-/* Issue ``count`` gathered copies on ``stream``: one batch call. A runtime
- * that refuses it (an attribute it does not take) is not asked again: the
- * copies go one call each, this time and after. */
-static int issue_batch(void *stream, void **dst, void **src, size_t *n, size_t count, int batch) {
-    if (!count) return 0;
-    if (cuda_memcpy_batch) {
-        int rc = call_batch(stream, dst, src, n, count, batch);
-        if (rc == 0) return 0;
-        clear_cuda_error();
-        cuda_memcpy_batch = NULL;
-    }
-    for (size_t i = 0; i < count; i++) {
-        int rc = cuda_memcpy_async(dst[i], src[i], n[i], 4 /* cudaMemcpyDefault */, stream);
-        if (rc) return rc;
-    }
-    return 0;
-}
-
 /* The rows of a plan, queued on ``stream`` and waited for at the end:
  * straight from src where it is pinned, else through the staging buffer
  * (waited for before it is reused; a row larger than it goes by
- * cudaMemcpy). With ``batch``, the rows go in one batch call (a staged plan:
- * one for each fill of the staging buffer), else one cudaMemcpyAsync each.
- * Returns a CUDA error, or 0. */
+ * cudaMemcpy). Returns a CUDA error, or 0. */
 static int copy_queued(void *stream, char *stage, const char *src, const int64_t *row,
-                       Py_ssize_t rows, int pinned, int batch) {
+                       Py_ssize_t rows, int pinned) {
     int rc = 0;
-    size_t used = 0, count = 0;
-    void **dsts = NULL, **srcs = NULL;
-    size_t *sizes = NULL;
-    if (batch) {
-        dsts = malloc((size_t)rows * sizeof(void *) + 1);
-        srcs = malloc((size_t)rows * sizeof(void *) + 1);
-        sizes = malloc((size_t)rows * sizeof(size_t) + 1);
-        if (!dsts || !srcs || !sizes) rc = 2; /* cudaErrorMemoryAllocation */
-    }
+    size_t used = 0;
     for (Py_ssize_t i = 0; i < rows && rc == 0; i++) {
         void *dst = (void *)(intptr_t)row[3 * i];
         const char *from = src + row[3 * i + 1];
         size_t n = (size_t)row[3 * i + 2];
-        if (!pinned && n > STAGING_BYTES) {
-            rc = cuda_memcpy(dst, from, n, 4 /* cudaMemcpyDefault */);
-            continue;
-        }
-        if (!pinned) {
+        if (pinned) {
+            rc = cuda_memcpy_async(dst, from, n, 4 /* cudaMemcpyDefault */, stream);
+        } else if (n > STAGING_BYTES) {
+            rc = cuda_memcpy(dst, from, n, 4);
+        } else {
             if (used + n > STAGING_BYTES) { /* reuse the buffer once its copies are done */
-                if (batch) rc = issue_batch(stream, dsts, srcs, sizes, count, batch);
-                count = 0;
-                if (rc == 0) rc = cuda_stream_sync(stream);
+                rc = cuda_stream_sync(stream);
                 used = 0;
             }
-            if (rc) break;
-            memcpy(stage + used, from, n);
-            from = stage + used;
-            used += n;
-        }
-        if (batch) {
-            dsts[count] = dst, srcs[count] = (void *)from, sizes[count] = n;
-            count++;
-        } else {
-            rc = cuda_memcpy_async(dst, from, n, 4, stream);
+            if (rc == 0) {
+                memcpy(stage + used, from, n);
+                rc = cuda_memcpy_async(dst, stage + used, n, 4, stream);
+                used += n;
+            }
         }
     }
-    if (rc == 0 && batch) rc = issue_batch(stream, dsts, srcs, sizes, count, batch);
     int wait = cuda_stream_sync(stream);
-    free(dsts); free(srcs); free(sizes);
     return rc ? rc : wait;
 }
 
-/* cuda_copy(src, plan, pinned, batch=-1) -> bytes copied. plan: int64 rows
- * of (destination address, source offset in src, nbytes); destinations are
+/* cuda_copy(src, plan, pinned) -> bytes copied. plan: int64 rows of
+ * (destination address, source offset in src, nbytes); destinations are
  * device (or managed) addresses the caller took from its MLX arrays;
- * pinned: whether src is registered (cuda_register); batch: BATCH_* bits,
- * 0 for one cudaMemcpyAsync a row, -1 for $IOD_CUDA_BATCH or else BATCH_ON
- * (all ignored where the runtime has no cudaMemcpyBatchAsync). */
+ * pinned: whether src is registered (cuda_register). */
 static PyObject *cuda_copy(PyObject *self, PyObject *args) {
-    PyObject *src_o, *plan_o; Py_buffer src, plan; int pinned = 0, batch = -1;
-    if (!PyArg_ParseTuple(args, "OO|pi", &src_o, &plan_o, &pinned, &batch)) return NULL;
+    PyObject *src_o, *plan_o; Py_buffer src, plan; int pinned = 0;
+    if (!PyArg_ParseTuple(args, "OO|p", &src_o, &plan_o, &pinned)) return NULL;
     if (!cuda_load()) {
         PyErr_SetString(PyExc_RuntimeError, "cuda_copy: no CUDA runtime");
         return NULL;
     }
-    if (batch < 0) { /* IOD_CUDA_BATCH (BATCH_* bits) sets the default: for A/B runs */
-        const char *e = getenv("IOD_CUDA_BATCH");
-        batch = e && e[0] ? atoi(e) : BATCH_ON;
-    }
-    if (!cuda_memcpy_batch) batch = 0;
     if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) return NULL;
     if (PyObject_GetBuffer(plan_o, &plan, PyBUF_SIMPLE) < 0) { PyBuffer_Release(&src); return NULL; }
     const int64_t *row = (const int64_t *)plan.buf;
@@ -574,7 +488,7 @@ static PyObject *cuda_copy(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     if (stream && (pinned || stage)) {
         pthread_mutex_lock(&copy_lock);
-        rc = copy_queued(stream, stage, (const char *)src.buf, row, rows, pinned, batch);
+        rc = copy_queued(stream, stage, (const char *)src.buf, row, rows, pinned);
         pthread_mutex_unlock(&copy_lock);
     } else {
         for (Py_ssize_t i = 0; i < rows && rc == 0; i++)
@@ -679,7 +593,6 @@ static PyMethodDef methods[] = {
     {"cuda_available", cuda_available, METH_NOARGS, "Whether a CUDA runtime can be loaded."},
     {"cuda_register", cuda_register, METH_VARARGS, "Pin a host mapping for DMA (CUDA)."},
     {"cuda_unregister", cuda_unregister, METH_VARARGS, "Unpin a host mapping (CUDA)."},
-    {"cuda_batch_available", cuda_batch_available, METH_NOARGS, "Whether cudaMemcpyBatchAsync was found."},
     {"cuda_copy", cuda_copy, METH_VARARGS, "Copy a plan of regions to the device without the GIL (queued on one stream)."},
     {"address", address, METH_VARARGS, "The address of a buffer's first byte."},
     {"pread_full", pread_full, METH_VARARGS, "pread into a buffer without the GIL."},

@@ -4,10 +4,9 @@ time, on the lent H200 (scripts/gpu/visit.sh probecopy):
 - copies: records shaped like the small qwen3_next's (4-bit gate/up/down,
   bfloat16 scales and biases, 9 tensors) from a registered host mapping into
   MLX stacks by ``native.cuda_copy``, per batch size, with the GPU idle and
-  behind queued kernels: pinned and staged, one cudaMemcpyAsync a row or
-  batched (cudaMemcpyBatchAsync, plain, asking to overlap compute, with the
-  destination's device hinted); the same bytes as one row a record and as
-  one row in all (whether a copy's time goes with its calls or its bytes);
+  behind queued kernels, pinned and staged; the same bytes as one row a
+  record and as one row in all (whether a copy's time goes with its rows or
+  its bytes);
   and a kernel reading the copied positions right after the copy against
   the same kernel again (a managed page that migrated would show there);
 - kernels: ``mx.gather_qmm`` and a dense quantized matmul at 1-4 rows (a
@@ -76,8 +75,8 @@ def main():
     record = sum(nbytes)
     addrs = [native.address(a) for a in arrays]
     res["record_bytes"] = record
-    res["batch_available"] = native.cuda_available() and native.cuda_batch_available()
-    rt = cudart()  # after cuda_available: native has loaded the runtime by now
+    native.cuda_available()  # loads the runtime, which cudart() then finds
+    rt = cudart()
     res["stack_pointer_type"] = pointer_type(rt, addrs[0]) if rt else None
 
     # the arena stand-in: 64 records, each tensor's bytes one after another
@@ -103,16 +102,16 @@ def main():
         mx.async_eval(y)
         return y
 
-    def timed(pl, pinned, queue=busy, batch=0):
+    def timed(pl, pinned, queue=busy):
         """(median, min, max) ms of the copy with the GPU idle, and the median
         ms of the same copy issued right after ``queue()`` queued GPU work."""
-        native.cuda_copy(arena, pl, pinned, batch)  # warm
-        idle = median_ms(lambda: native.cuda_copy(arena, pl, pinned, batch), args.reps)
+        native.cuda_copy(arena, pl, pinned)  # warm
+        idle = median_ms(lambda: native.cuda_copy(arena, pl, pinned), args.reps)
         behind = []
         for _ in range(max(args.reps // 4, 3)):
             y = queue()
             t = time.perf_counter()
-            native.cuda_copy(arena, pl, pinned, batch)
+            native.cuda_copy(arena, pl, pinned)
             behind.append((time.perf_counter() - t) * 1e3)
             mx.eval(y)
         return idle, statistics.median(behind)
@@ -121,19 +120,15 @@ def main():
     landing = mx.zeros((CAP, record), dtype=mx.uint8)
     mx.eval(landing)
     land = native.address(landing)
-    ways = {"pinned": (True, 0), "staged": (False, 0)}
-    if res["batch_available"]:
-        ways.update({"batched": (True, 1), "batched-overlap": (True, 3),
-                     "batched-hint": (True, 5), "staged-batched": (False, 1)})
+    ways = {"pinned": True, "staged": False}
     copies = {}
     for k in (1, 2, 4, 8, 16):
-        plans = {name: (plan(list(range(k)), list(range(k))), pinned, batch)
-                 for name, (pinned, batch) in ways.items()}
+        plans = {name: (plan(list(range(k)), list(range(k))), pinned) for name, pinned in ways.items()}
         plans["whole-records"] = (np.array([(land + r * record, r * record, record) for r in range(k)],
-                                           dtype=np.int64), True, 0)
-        plans["one-row"] = (np.array([(land, 0, k * record)], dtype=np.int64), True, 0)
-        for name, (pl, pinned, batch) in plans.items():
-            idle, behind = timed(pl, pinned, batch=batch)
+                                           dtype=np.int64), True)
+        plans["one-row"] = (np.array([(land, 0, k * record)], dtype=np.int64), True)
+        for name, (pl, pinned) in plans.items():
+            idle, behind = timed(pl, pinned)
             copies[f"{k}-{name}"] = {
                 "rows": len(pl), "bytes": k * record, "idle_ms": idle,
                 "gb_s_idle": k * record / idle[0] / 1e6, "behind_kernels_ms": behind}
@@ -144,9 +139,9 @@ def main():
     buf = np.frombuffer(arena, dtype=np.uint8)
     zeros = bytearray(n_records * record)
     verified = {}
-    for name, (pinned, batch) in ways.items():
-        native.cuda_copy(zeros, plan(list(range(16)), list(range(16))), False, 0)
-        native.cuda_copy(arena, plan(list(range(16)), list(range(15, -1, -1))), pinned, batch)
+    for name, pinned in ways.items():
+        native.cuda_copy(zeros, plan(list(range(16)), list(range(16))), False)
+        native.cuda_copy(arena, plan(list(range(16)), list(range(15, -1, -1))), pinned)
         verified[name] = all(
             np.array(arrays[t][15 - r].view(mx.uint8)).tobytes()
             == buf[r * record + int(offs[t]):][:nbytes[t]].tobytes()
@@ -173,9 +168,7 @@ def main():
             mx.async_eval(y)
             return y
 
-        res["behind_small_kernels_2_ms"] = {
-            name: timed(plan([0, 1], [0, 1]), pinned, small_kernels, batch)[1]
-            for name, (pinned, batch) in ways.items() if pinned}
+        res["behind_small_kernels_2_ms"] = timed(plan([0, 1], [0, 1]), True, small_kernels)[1]
 
     # a kernel reading copied positions: first after the copy, then again
     idx = mx.array(np.arange(8, dtype=np.uint32))

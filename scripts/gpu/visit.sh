@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|ship|tinyspec|overhead|split|batchab|probecopy
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|ship|tinyspec|overhead|split|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -149,16 +149,6 @@ split)  # the profile's split of a decode token, and the per-layer cost in bench
     --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3; }
   log "kernels"
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
-batchab)  # a plan's CUDA copies one call a row (IOD_CUDA_BATCH=0) against one batch call (1), interleaved
-  P="$W/p-${ARCH:-qwen3_next}"
-  for r in $(seq ${ROUNDS:-2}); do for b in ${BUDGETS:-0.25}; do for m in ${WAYS:-0 1}; do
-    log "round $r budget $b batch $m"
-    IOD_CUDA_BATCH=$m timeout ${BENCH_S:-100} python3 -m infer.bench --model "$P" --budget "$b" --modes iod \
-      --runs 2 --max-tokens 48 --prompt @pycode --raw-prompt --json "$OUT/batch-$r-$b-$m.json" > /dev/null 2>&1
-    python3 -c "import json, sys; m = json.load(open(sys.argv[1]))['modes']['iod']; \
-print({k: m.get(k) for k in ('decode_tok_s', 'decode_tok_s_runs', 'copy_batch', 'copy_s_per_token', 'copy_gb_s', \
-'stall_s_per_token', 'arena_pinned', 'aside_calls')})" "$OUT/batch-$r-$b-$m.json"
-  done; done; done ;;
 probecopy)  # the CUDA copies and the kernels of small verify passes, apart (scripts/gpu/copy_probe.py)
   log copy; timeout ${PROBE_S:-150} python3 -X faulthandler scripts/gpu/copy_probe.py --json "$OUT/copy.json" | tail -60 ;;
 esac

@@ -10,9 +10,8 @@
 static struct { void *dst; const void *src; size_t n; } queue[QUEUE];
 static int queued;
 /* cudaMemcpy, cudaMemcpyAsync, syncs, stream flags, from staging, registers,
- * errors set by a refusal and not yet read by cudaGetLastError, batch calls,
- * copies queued by batch calls, the last batch's attribute flags */
-static int64_t stats[10];
+ * errors set by a refusal and not yet read by cudaGetLastError */
+static int64_t stats[7];
 static char *staging;
 static size_t staging_len;
 
@@ -34,43 +33,6 @@ int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream
     queued++;
     stats[1]++;
     if (staging && (const char *)src >= staging && (const char *)src + n <= staging + staging_len) stats[4]++;
-    return 0;
-}
-
-static int version(void) {
-    const char *v = getenv("FAKE_CUDART_VERSION");
-    return v ? atoi(v) : 13000;
-}
-
-int cudaRuntimeGetVersion(int *v) {
-    *v = version();
-    return 0;
-}
-
-int cudaGetDevice(int *d) {
-    *d = 0;
-    return 0;
-}
-
-/* cudaMemcpyAttributes */
-struct attrs { int order, src_type, src_id, dst_type, dst_id; unsigned flags; };
-
-/* CUDA 13's signature (a8 is the stream), or 12.8's (a8 the failure index,
- * a9 the stream), as FAKE_CUDART_VERSION says */
-int cudaMemcpyBatchAsync(void **dst, void **src, size_t *n, size_t count, struct attrs *a,
-                         size_t *idx, size_t num_attrs, void *a8, void *a9) {
-    void *stream = version() >= 13000 ? a8 : a9;
-    if (getenv("FAKE_BATCH_FAIL")) { stats[6] = 1; return 1; /* cudaErrorInvalidValue */ }
-    if (stream != (void *)&stats || num_attrs != 1 || idx[0] != 0 || a->order != 1) return 1;
-    if (queued + count > QUEUE) return 1;
-    for (size_t i = 0; i < count; i++) {
-        queue[queued].dst = dst[i], queue[queued].src = src[i], queue[queued].n = n[i];
-        queued++;
-        if (staging && (const char *)src[i] >= staging && (const char *)src[i] + n[i] <= staging + staging_len) stats[4]++;
-    }
-    stats[7]++;
-    stats[8] += count;
-    stats[9] = a->flags | (a->dst_type == 1 ? 0x100 : 0);
     return 0;
 }
 
@@ -100,7 +62,7 @@ int cudaHostRegister(void *p, size_t n, unsigned int flags) {
 }
 
 int cudaGetLastError(void) {
-    int e = stats[6] ? 712 : 0; /* the code matters not, only that it is read */
+    int e = stats[6] ? 712 : 0;
     stats[6] = 0;
     return e;
 }
