@@ -406,16 +406,14 @@ def worker(args) -> dict:
             decode(model, prompt_ids, follow, args.max_tokens, store)
             if store is not None:
                 reset_store(store, keep_cache=True)
-                if len(store.stacks) == len(manifest.layers) and \
-                        all(st.complete for st in store.stacks.values()):
-                    store.trace = None  # nothing can miss: the layers run as resident ones
         if args.wait_go and r == 0:
             print("READY", flush=True)
             sys.stdin.readline()
         run = decode(model, prompt_ids, follow, args.max_tokens, store)
         if store is not None:
             run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
-            run["trace"] = store.trace or []
+            run["whole_calls"] = store.stats["whole_calls"]
+            run["trace"] = store.routing_trace()
             run["prediction"] = store.prediction_stats()
             run["source_counters"] = _source_counters(store.source)
             run["arena_pinned"] = getattr(store.source, "cuda_pinned", None)  # before close
@@ -497,6 +495,8 @@ def worker(args) -> dict:
         "calibrated": store.calibration is not None,
         "decode_s_per_token": med(r["decode_s"] for r in runs) / max(args.max_tokens - 1, 1),
         "trace_calls": len(last["trace"]),
+        # of those, calls of whole layers (the resident call: no sync)
+        "whole_calls": last["whole_calls"],
     })
     if daemon_read:
         # everything read from disk, prefetches that were never used included
@@ -557,7 +557,7 @@ def run_ranks(args, mode, out) -> dict:
 
 SUMMED = ("misses", "belady_misses", "decode_misses", "bytes_read_per_token", "stall_s_per_token",
           "copy_s_per_token",
-          "prefetched_bytes", "prefetch_unused_bytes", "trace_calls", "cache_bytes",
+          "prefetched_bytes", "prefetch_unused_bytes", "trace_calls", "whole_calls", "cache_bytes",
           "disk_bytes_read", "disk_bytes_read_per_token")
 
 

@@ -75,7 +75,7 @@ def calibrate(folder, text, max_tokens=CALIBRATION_TOKENS):
             mx.eval(model(mx.array([[t]]), cache=cache))
     finally:
         source.close()
-    counts = count_trace(store.trace)
+    counts = count_trace(store.routing_trace())
     write_usage(folder, counts, len(ids))
     return counts
 

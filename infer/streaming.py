@@ -282,7 +282,7 @@ class ExpertStore:
         self.routers = {}  # layer -> (router module, top k)
         self.next_layers = {}  # layer -> the MoE layers after it, in order
         self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
-        self.trace = None  # set to a list to record (layer, experts) per call
+        self.trace = None  # set to a list to record each call's experts (routing_trace)
         self.profiler = None  # an infer.profile.Profiler: per-layer spans
         # bytes/s the source reads at: set from the `iod doctor` profile
         # (set_disk) or by the caller; else measured on demand reads
@@ -303,7 +303,8 @@ class ExpertStore:
                       "prefetched": 0, "prefetched_bytes": 0, "prefetch_used": 0,
                       "prefetch_unused": 0, "prefetch_unused_bytes": 0,
                       "hits_first": 0,  # calls that computed cached experts while reading
-                      "aside_calls": 0}  # one-token calls that computed bypassed experts apart
+                      "aside_calls": 0,  # one-token calls that computed bypassed experts apart
+                      "whole_calls": 0}  # calls of whole layers: the resident call, no sync
         # per depth: [true positives, predicted, actual]
         self.prediction = [[0, 0, 0] for _ in range(max(self.depth, 3) + 1)]
         self._predicted = {}  # layer -> {depth: (set of experts, prefetchable)}
@@ -337,6 +338,13 @@ class ExpertStore:
         self.disk_ceiling = prof.ceiling if prof is not None else None
         return self.disk_rate
 
+    def routing_trace(self):
+        """[(layer, experts as a sorted tuple)] of the calls since ``trace``
+        was set, in call order. A whole layer's calls were kept as their
+        routed ids (an MLX array), read here: its call must not sync."""
+        return [(l, e if isinstance(e, tuple) else tuple(sorted(set(np.array(e).ravel().tolist()))))
+                for l, e in self.trace or []]
+
     def predict(self, layer, x):
         """Lazy guesses for the next layers: [(layer, depth, ids best first,
         use per rank or None, breadth)]. The predictor's guess is the first
@@ -347,6 +355,8 @@ class ExpertStore:
         cal = self.calibration
         module = self.layouts[layer].module if layer in self.layouts else None
         for d, nxt in enumerate(self.next_layers.get(layer, [])[: self.depth], 1):
+            if nxt in self.stacks and self.stacks[nxt].complete:
+                continue  # a whole layer: nothing to read, nothing to score
             router, k = self.routers[nxt]
             name, breadth = cal.choice.get((module, d), ("router", k)) if cal else ("router", k)
             use = cal.use.get((module, d, name)) if cal else None
@@ -653,11 +663,15 @@ class StreamingExperts(nn.Module):
     def __call__(self, x, indices):
         store = self._store
         stack = store.stacks.get(self._layout.layer)
-        if stack is not None and stack.complete and store.trace is None:
+        if stack is not None and stack.complete:
             # every expert resident at its own index: the resident model's
             # call (bound here too: a stack filled by the cold-start preload
-            # is complete before the layer's first call)
+            # is complete before the layer's first call), with no sync: a
+            # trace keeps the ids unread (ExpertStore.routing_trace)
             store.stats["hits"] += indices.size
+            store.stats["whole_calls"] += 1
+            if store.trace is not None:
+                store.trace.append((self._layout.layer, indices))
             self._bind(stack.arrays)
             return self._inner(x, indices)
         # Reading the routed ids forces evaluation up to the router: inherent

@@ -70,7 +70,7 @@ def record(model_dir, tokens, text=None, stretches=2):
             decode(model, prompt, None if free else follow, tokens, store)
             pred = dict(guesses)
             traces[f"s{i}-{'free' if free else 'forced'}"] = [
-                (l, list(map(int, e)), pred.get(n, [])) for n, (l, e) in enumerate(store.trace)]
+                (l, list(map(int, e)), pred.get(n, [])) for n, (l, e) in enumerate(store.routing_trace())]
     source.close()
     return traces
 

@@ -257,9 +257,9 @@ def test_streaming_equals_stock_mlx_lm(arch, tmp_path, tokenizer_dir, daemon):
             misses.append(store.stats["misses"])
             if cache_bytes:
                 # the routing varies, so the comparison exercises the streaming
-                used = max(len({e for l, es in store.trace if l == layer for e in es})
+                used = max(len({e for l, es in store.routing_trace() if l == layer for e in es})
                            for layer in store.layouts)
-                assert used > 2, (arch, store.trace)
+                assert used > 2, (arch, store.routing_trace())
         finally:
             client.close()
     assert 0 < misses[0] <= misses[1], misses

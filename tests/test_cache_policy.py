@@ -227,7 +227,9 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
     """With a usage.json and 90% of the expert bytes, some stacks are whole
     from the cold-start preload, before their layer's first call: those
     layers run the resident call (bound to the stack) and the others stream;
-    greedy ids equal mlx-lm's."""
+    greedy ids equal mlx-lm's. A whole layer is never gathered nor guessed
+    for, and a routing trace still records its calls: the same trace as a
+    run that streams every layer."""
     import shutil
 
     import mlx_lm
@@ -245,11 +247,46 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
     try:
         cached = [l for l in source.manifest.layers if l.layer in set(coldstart.read_usage(prep))]
         budget = int(sum(l.num_experts * l.record_bytes for l in cached) * 0.9)
-        model, _, store = load_streaming(prep, source, budget)
-        whole = [l for l, s in store.stacks.items() if s.complete]
-        assert 0 < len(whole) < len(cached)
-        out = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=16)]
-        assert out == ref
-        assert store.stats["misses"] > 0
+        traces = []
+        for cache in (budget, 0):
+            model, _, store = load_streaming(prep, source, cache)
+            whole = {l for l, s in store.stacks.items() if s.complete}
+            assert (0 < len(whole) < len(cached)) == (cache > 0)
+            gathered, gather = set(), store.gather
+            store.gather = lambda layer, *a, **k: gathered.add(layer) or gather(layer, *a, **k)
+            store.trace = []
+            out = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=16)]
+            assert out == ref
+            assert store.stats["misses"] > 0
+            assert not gathered & whole and not set(store._predicted) & whole
+            traces.append(store.routing_trace())
+        assert traces[0] == traces[1] and {l for l, _ in traces[0]} == {l.layer for l in cached}
+    finally:
+        source.close()
+
+
+def test_no_guesses_for_whole_layers(tmp_path, trained_model, trained_prep):
+    """The next layers' guesses skip a whole layer: nothing of it is read,
+    and a whole layer's call (the resident one) scores no guess."""
+    import shutil
+
+    from infer.loader import load_streaming
+    from iod.inproc import InprocSource
+
+    prep = tmp_path / "prep"
+    shutil.copytree(trained_prep("qwen3_moe"), prep)
+    coldstart.calibrate(prep, (trained_model("qwen3_moe") / "heldout.txt").read_text(), max_tokens=32)
+    source = InprocSource(prep)
+    try:
+        model, _, store = load_streaming(prep, source, source.manifest.expert_bytes)
+        layers = sorted(store.stacks)
+        assert len(layers) >= 3 and all(store.stacks[l].complete for l in layers)
+        for l in (layers[0], layers[2]):  # one expert out: no longer whole
+            stack = store.stacks[l]
+            stack.position.pop(next(iter(stack.position)))
+            assert not stack.complete
+        x = mx.random.normal((1, 1, model.args.hidden_size))
+        guessed = [g[0] for g in store.predict(layers[0], x)]
+        assert guessed == [layers[2]]
     finally:
         source.close()
