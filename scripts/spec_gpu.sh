@@ -67,7 +67,7 @@ tail -1 "$LOG" >&2
 
 dtype=()
 [ -n "${DTYPE:-}" ] && dtype=(--dtype "$DTYPE")
-common=(--model "$PREP" --raw-prompt --max-tokens 8 --draft-tokens "$TOKENS" --draft-warmup 8 "${dtype[@]}")
+common=(--model "$PREP" --raw-prompt --max-tokens 8 --draft-tokens "$TOKENS" "${dtype[@]}")
 
 step() {  # name, then the bench arguments
     local name=$1; shift

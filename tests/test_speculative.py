@@ -661,6 +661,43 @@ def test_bench_draft_keeps_figures_when_plain_decoding_varies():
     assert "= a plain run" in table and "NO (plain varies too)" in table
 
 
+def test_bench_draft_warms_every_configuration_through_the_timed_tokens(monkeypatch):
+    """By default each configuration (and plain decoding) runs untimed for
+    as many tokens as it is then timed for; --draft-warmup N caps that."""
+    import argparse
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from infer import bench_draft
+
+    runs = []
+
+    def plain(model, prompt, n, store):
+        runs.append(("plain", n))
+        return [0] * n, {"decode_tok_s": 1.0, "bytes_read_per_token": 0.0}
+
+    def drafted(model, prompt, n, store, head, kind, k, verify):
+        runs.append((k, n))
+        return [0] * n, {}
+
+    monkeypatch.setattr(bench_draft, "fresh_source", lambda *a: nullcontext())
+    monkeypatch.setattr(bench_draft, "load_head", lambda *a: None)
+    monkeypatch.setattr(bench_draft, "_plain", plain)
+    monkeypatch.setattr(bench_draft, "_drafted", drafted)
+    tok = SimpleNamespace(has_chat_template=False, encode=lambda text, **kw: [1, 2, 3])
+    p = argparse.ArgumentParser()
+    bench_draft.add_args(p)
+    for extra, warm in (([], 12), (["--draft-warmup", "5"], 5)):
+        args = p.parse_args(["--draft", "ngram", "--num-draft", "1,2", "--draft-tokens", "12",
+                             "--raw-prompt", *extra])
+        args.prompt, args.max_tokens = "x", 12
+        assert ("--draft-warmup" in bench_draft.worker_argv(args)) == bool(extra)
+        runs.clear()
+        bench_draft.measure(args, "resident", None, tok, None, None, None)
+        assert runs == [("plain", warm), (1, warm), (2, warm), ("plain", 12), (1, 12), (2, 12),
+                        ("plain", 12)]
+
+
 def test_bench_draft_refuses_bad_arguments(prep_model):
     from infer import bench_draft, speculative
     from infer.bench import main
