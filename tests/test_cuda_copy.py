@@ -204,3 +204,4 @@ def test_copy_probe_runs_and_checks_its_copies(tmp_path):
                                   for m in ("pinned", "staged", "whole-records", "one-row")}
     assert res["copies"]["16-pinned"]["bytes"] == 16 * res["record_bytes"]
     assert set(res["kernels_by_rows"]) == {"1", "2", "3", "4", "8"}
+    assert {k: v["equal"] for k, v in res["strided_stacks"].items()} == {"32": True, "256": True}

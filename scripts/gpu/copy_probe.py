@@ -10,7 +10,11 @@ time, on the lent H200 (scripts/gpu/visit.sh probecopy):
   and a kernel reading the copied positions right after the copy against
   the same kernel again (a managed page that migrated would show there);
 - kernels: ``mx.gather_qmm`` and a dense quantized matmul at 1-4 rows (a
-  verify pass of K drafts has K+1 rows).
+  verify pass of K drafts has K+1 rows);
+- a stack as one buffer of whole records (so a record is one copy), each
+  tensor a strided view of it: whether ``gather_qmm`` on such views gives
+  the contiguous stacks' bits, and whether its time grows with the stack
+  (a kernel that copied the strided stack first would).
 
 Prints one JSON object (and writes it with --json).
 """
@@ -53,14 +57,44 @@ def pointer_type(rt, addr):
     return attrs[0] if rc == 0 else f"error {rc}"
 
 
-def stacks():
-    """A stack of CAP positions for each of the 9 tensors, as mlx-lm stores them."""
+def stacks(cap=CAP):
+    """A stack of ``cap`` positions for each of the 9 tensors, as mlx-lm stores them."""
     out = []
     for rows, cols in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)):
-        w = mx.random.normal((CAP, rows, cols)).astype(mx.bfloat16)
+        w = mx.random.normal((cap, rows, cols)).astype(mx.bfloat16)
         out += list(mx.quantize(w, group_size=64, bits=4))
     mx.eval(out)
     return out
+
+
+def strided_stacks(cap, reps):
+    """gather_qmm on a stack of ``cap`` positions, contiguous per tensor and
+    as strided views of one buffer of whole records: {"equal", "contiguous_ms",
+    "strided_ms"}, or {"error"} where the backend refuses the views."""
+    arrays = stacks(cap)
+    nbytes = [a.nbytes // cap for a in arrays]
+    record = sum(nbytes)
+    whole = mx.concatenate([a.reshape(cap, -1).view(mx.uint8) for a in arrays], axis=1)
+    mx.eval(whole)
+    views, off = [], 0
+    for a, n in zip(arrays, nbytes):
+        size = a.itemsize
+        inner = [int(np.prod(a.shape[i + 1:])) for i in range(1, a.ndim)]
+        views.append(mx.as_strided(whole.view(a.dtype), a.shape, [record // size] + inner, off // size))
+        off += n
+    xs = mx.random.normal((1, 1, 1, HIDDEN)).astype(mx.bfloat16)
+    idx = mx.array(np.random.default_rng(cap).integers(0, cap, (1, 1, TOP)).astype(np.uint32))
+
+    def g(w, s, b):
+        return mx.gather_qmm(xs, w, s, b, rhs_indices=idx, transpose=True, group_size=64, bits=4)
+    ref, got = g(*arrays[:3]), g(*views[:3])
+    try:
+        mx.eval(ref, got)
+    except RuntimeError as e:  # MLX 0.32.4 on CUDA: "No implementation for problem shape"
+        return {"error": str(e)}
+    return {"equal": bool(mx.array_equal(ref, got).item()),
+            "contiguous_ms": median_ms(lambda: mx.eval(g(*arrays[:3])), reps)[0],
+            "strided_ms": median_ms(lambda: mx.eval(g(*views[:3])), reps)[0]}
 
 
 def main():
@@ -203,6 +237,7 @@ def main():
         g(); d()
         kern[m] = {"gather_qmm_ms": median_ms(g, args.reps)[0], "qmm_ms": median_ms(d, args.reps)[0]}
     res["kernels_by_rows"] = kern
+    res["strided_stacks"] = {str(cap): strided_stacks(cap, args.reps) for cap in (32, 256)}
     native.cuda_unregister(arena)
     print(json.dumps(res, indent=1))
     if args.json:
