@@ -6,9 +6,9 @@ time, on the lent H200 (scripts/gpu/visit.sh probecopy):
   MLX stacks by ``native.cuda_copy``, per batch size, with the GPU idle and
   behind queued kernels, pinned and staged; the same bytes as one row a
   record and as one row in all (whether a copy's time goes with its rows or
-  its bytes);
-  and a kernel reading the copied positions right after the copy against
-  the same kernel again (a managed page that migrated would show there);
+  its bytes); and a kernel reading the copied positions right after the
+  copy against the same kernel again (a managed page that migrated would
+  show there);
 - kernels: ``mx.gather_qmm`` and a dense quantized matmul at 1-4 rows (a
   verify pass of K drafts has K+1 rows);
 - a stack as one buffer of whole records (so a record is one copy), each
