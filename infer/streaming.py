@@ -290,6 +290,7 @@ class ExpertStore:
         self.disk_ceiling = None  # iod doctor's best rate for that disk (bytes/s)
         self.layer_s = None  # decayed compute time per MoE layer (decode-sized calls)
         self._recent = {}  # layer -> the experts of its last call of one token's size (<= 2 top-k)
+        self._asides = {}  # layout's shape -> the stack one-token calls' bypassed experts go to
         # a token computes its cached experts while its misses are read
         # (StreamingExperts._hits_first), where that pays: on the CPU, where
         # they take milliseconds (iod/resident 0.73 -> 0.84 at 25%); on a GPU
@@ -546,7 +547,8 @@ class ExpertStore:
         # as the layer's (a cast, a CUDA copy); a one-token call computes
         # them apart, any other runs on a compact stack of every wanted
         # expert (more experts than the stack holds: a long prefill)
-        side = LayerStack(stack.layout, len(bypassed), self.dtype)
+        side = self._aside(layer, stack.layout, len(bypassed)) if split else \
+            LayerStack(stack.layout, len(bypassed), self.dtype)
         where = {e: i for i, e in enumerate(bypassed)}
 
         def copy(batch):
@@ -568,6 +570,22 @@ class ExpertStore:
                   for key, arr in stack.arrays.items()}
         order = {e: i for i, e in enumerate(cached + bypassed)}
         return arrays, [order[e] for e in wanted], None
+
+    def _aside(self, layer, layout, n):
+        """A stack of at least ``n`` positions for a one-token call's bypassed
+        experts: one per shape of layout, kept. Its last use is evaluated by
+        the time it is written again (every call syncs at its router before
+        it gathers, and that sync waits for all that came before), so a call
+        neither allocates one (nor waits, as a new one's zeros would, for
+        what is queued ahead of them) nor keeps more than a top k of records."""
+        key = (tuple((s.projection, s.tensor, tuple(s.shape), s.dtype, s.offset)
+                     for s in layout.segments), self.dtype)
+        side = self._asides.get(key)
+        if side is None or side.capacity < n:
+            k = self.routers.get(layer, (None, n))[1]
+            side = self._asides[key] = LayerStack(layout, max(n, k), self.dtype)
+        side.layout = layout  # equal segments: the copies read this layer's records the same way
+        return side
 
     def preload(self, order=None):
         """Fill each layer's stack before the first token: ``order`` maps a

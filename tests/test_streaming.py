@@ -56,6 +56,9 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
             # and a token computes the experts it bypasses from their own stack
             assert store.stats["misses"] > store.stats["hits"]
             assert store.stats["aside_calls"] > 0
+            # one kept stack per shape of layout serves every such call
+            assert 0 < len(store._asides) <= len({l.record_bytes for l in source.manifest.layers})
+            assert store.stats["aside_calls"] > len(store._asides)
         elif cache_fraction == 0.15:
             # tokens with some experts cached computed them while the rest were
             # read; experts the stack did not admit were computed apart
