@@ -222,6 +222,16 @@ def test_split_cache_makes_whole_layers_only_where_they_pay():
     assert set(split_cache(layouts, int(every * 0.9), {0: skewed[0]}).values()) == {57}
 
 
+def _calibrated_prep(tmp_path, arch, trained_model, trained_prep, tokens):
+    """A copy of the trained prep folder with a usage.json from its held-out text."""
+    import shutil
+
+    prep = tmp_path / "prep"
+    shutil.copytree(trained_prep(arch), prep)
+    coldstart.calibrate(prep, (trained_model(arch) / "heldout.txt").read_text(), max_tokens=tokens)
+    return prep
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_model, trained_prep):
     """With a usage.json and 90% of the expert bytes, some stacks are whole
@@ -230,8 +240,6 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
     greedy ids equal mlx-lm's. A whole layer is never gathered nor guessed
     for, and a routing trace still records its calls: the same trace as a
     run that streams every layer."""
-    import shutil
-
     import mlx_lm
 
     from infer.loader import load_streaming
@@ -240,9 +248,7 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
     ref_model, tok = mlx_lm.load(str(trained_model(arch)))
     ids = heldout_ids(trained_model(arch), tok)[:40]
     ref = [t for t, _ in generate_step(mx.array(ids), ref_model, max_tokens=16)]
-    prep = tmp_path / "prep"
-    shutil.copytree(trained_prep(arch), prep)
-    coldstart.calibrate(prep, (trained_model(arch) / "heldout.txt").read_text(), max_tokens=64)
+    prep = _calibrated_prep(tmp_path, arch, trained_model, trained_prep, 64)
     source = InprocSource(prep)
     try:
         cached = [l for l in source.manifest.layers if l.layer in set(coldstart.read_usage(prep))]
@@ -268,14 +274,10 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
 def test_no_guesses_for_whole_layers(tmp_path, trained_model, trained_prep):
     """The next layers' guesses skip a whole layer: nothing of it is read,
     and a whole layer's call (the resident one) scores no guess."""
-    import shutil
-
     from infer.loader import load_streaming
     from iod.inproc import InprocSource
 
-    prep = tmp_path / "prep"
-    shutil.copytree(trained_prep("qwen3_moe"), prep)
-    coldstart.calibrate(prep, (trained_model("qwen3_moe") / "heldout.txt").read_text(), max_tokens=32)
+    prep = _calibrated_prep(tmp_path, "qwen3_moe", trained_model, trained_prep, 32)
     source = InprocSource(prep)
     try:
         model, _, store = load_streaming(prep, source, source.manifest.expert_bytes)
