@@ -3,7 +3,10 @@
 Works for every architecture and costs no model compute: the history of
 prompt and committed tokens is indexed by n-gram, and the continuation of
 the most recent earlier occurrence of the longest matching suffix is the
-draft.
+draft. A continuation that reaches the end of the history goes on with
+the draft itself (an overlapping copy, as LZ77 copies): a match a few
+tokens back is a repetition of that period, so the draft repeats it for
+all ``k`` tokens instead of stopping at the last committed token.
 """
 
 
@@ -46,5 +49,9 @@ class NgramDrafter:
                 continue
             s = self._index[n].get(tuple(toks[-n:]))
             if s is not None:
-                return toks[s + n : s + n + k]
+                out = toks[s + n : s + n + k]
+                end = len(toks)
+                while len(out) < k:  # past the end: the repetition goes on
+                    out.append(out[s + n + len(out) - end])
+                return out
         return []

@@ -305,6 +305,20 @@ def test_ngram_drafter():
     assert d.propose(0) == []
 
 
+def test_ngram_drafter_repeats_a_repetition_past_the_history():
+    # a match ending just before the end is a repetition of that period: the
+    # draft goes on repeating it (an overlapping copy), K tokens in all
+    d = NgramDrafter(max_n=3)
+    d.observe(None, [5, 1, 2, 1, 2, 1, 2])
+    assert d.propose(5) == [1, 2, 1, 2, 1]
+    d = NgramDrafter(max_n=3)
+    d.observe(None, [4, 7, 7, 7, 7])
+    assert d.propose(3) == [7, 7, 7]
+    d = NgramDrafter(max_n=2)
+    d.observe(None, [8, 1, 2, 3, 1, 2])
+    assert d.propose(6) == [3, 1, 2, 3, 1, 2]
+
+
 def _drive(policy, truth, plain_s, verify_s, steps=200, accept=True, after_pass=None):
     """Runs the policy over a token sequence as the decoder would, with
     scripted costs: a plain step takes ``plain_s``, a verify pass of k

@@ -86,7 +86,7 @@ json.dump(evaluate(sys.argv[1], open(sys.argv[1] + '/heldout.txt').read()), open
     timeout ${BENCH_S:-100} python3 -m infer.bench --model "$W/p-$first" --budget "$b" --runs ${RUNS:-2} \
       --max-tokens 48 --prompt @pycode --raw-prompt $flags --json "$OUT/bench-$first-$b.json" 2>&1 | tail -6
   done ;;
-spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gram on code; both exact verifies
+spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram on code; both exact verifies
   P="$W/p-qwen3_next"
   S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify ${VERIFY:-exact,rowwise}"
   want() { case " ${SPECS:-mtp-25 mtp-resident ngram} " in *" $1 "*) return 0;; esac; return 1; }
@@ -94,8 +94,11 @@ spec)  # issue 17 on the trained small qwen3_next: MTP resident and at 25%, n-gr
     --num-draft ${KS:-1,2,3} --prompt @prose --json "$OUT/spec-mtp-25-${VERIFY:-both}.json" 2>&1 | tail -12; }
   want mtp-resident && { log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft mtp \
     --num-draft ${KS:-1,2,3} --draft-check --prompt @prose --json "$OUT/spec-mtp-100-${VERIFY:-both}.json" 2>&1 | tail -12; }
-  want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft ngram \
-    --num-draft 2,4 --prompt @code --json "$OUT/spec-ngram-100.json" 2>&1 | tail -12; }
+  # n-gram: NGRAM_ARCH=qwen3_moe drafts on the trained qwen3_moe (prep it first), whose verify pass has
+  # no gated-delta steps to take row by row
+  want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$W/p-${NGRAM_ARCH:-qwen3_next}" \
+    --modes resident $S --draft ngram --num-draft ${NGRAM_KS:-2,4} --draft-check --prompt @code \
+    --json "$OUT/spec-ngram-${NGRAM_ARCH:-qwen3_next}-100.json" 2>&1 | tail -12; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
 hitsab)  # A/B of a token's cached experts computed while its misses are read (--hits-first on|off)
