@@ -339,8 +339,10 @@ def merge(runs):
                                       "speedup_runs", "bytes_read_per_token",
                                       "baseline_bytes_read_per_token", "bytes_saved_per_token",
                                       "union", "exact")}
+    # the ids the drafts were judged against: what a drafter would have had
+    # to propose can be replayed from them offline
     out.update({"tokens": runs[0]["tokens"], "prompt_tokens": runs[0]["prompt_tokens"],
-                "runs": len(runs), "configs": merged})
+                "runs": len(runs), "baseline_ids": base_ids, "configs": merged})
     diffs = [r["baseline_first_diff"] for r in runs if "baseline_first_diff" in r]
     if diffs:  # plain greedy decoding itself varied run to run
         out["baseline_first_diff"] = min(diffs)

@@ -631,6 +631,28 @@ def test_bench_draft_ngram(prep_model, tmp_path):
         c = d["check"]["1"][verify]
         assert c["rows"] == 24 and c["rows_bitwise_different"] == 0
     assert "speedup" in stdout
+    # the ids the drafts were judged against: replaying the drafter over
+    # them gives the configuration's own counts
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from infer.bench_draft import PROMPTS
+    from infer.run import encode_prompt
+
+    ids = d["baseline_ids"]
+    assert len(ids) == 24
+    drafter = NgramDrafter()
+    drafter.observe(None, encode_prompt(load_tokenizer(prep_model("qwen3_moe")), PROMPTS["code"]) + ids[:1])
+    pos, drafted, accepted = 1, 0, 0
+    while pos < len(ids):
+        k = min(3, len(ids) - pos - 1)
+        drafts = drafter.propose(k) if k > 0 else []
+        a = 0
+        while a < len(drafts) and drafts[a] == ids[pos + a]:
+            a += 1
+        drafted, accepted = drafted + len(drafts), accepted + a
+        drafter.observe(None, ids[pos : pos + a + 1])
+        pos += a + 1
+    assert (drafted, accepted) == (d["configs"][1]["drafted"], d["configs"][1]["accepted"])
 
 
 def test_bench_draft_mtp_resident_and_streamed(prep_model, tmp_path):
