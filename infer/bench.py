@@ -196,6 +196,8 @@ def decode(model, prompt_ids, follow, n, store=None):
         out["prefetch_unused_bytes"] = delta["prefetch_unused_bytes"]
         out["hits_first_calls"] = delta["hits_first"]
         out["aside_calls"] = delta["aside_calls"]
+        out["host_s_per_token"] = delta["host_s"] / steps
+        out["predict_s_per_token"] = delta["predict_s"] / steps
     return out
 
 
@@ -489,6 +491,10 @@ def worker(args) -> dict:
         # one-token calls that computed experts the cache did not admit from
         # a stack of their own
         "aside_calls": last["aside_calls"],
+        # the streamed layer calls' own host work a decode token (stall and
+        # copy left out), and of it the prediction's: guesses, plan, hints
+        "host_s_per_token": med(r["host_s_per_token"] for r in runs),
+        "predict_s_per_token": med(r["predict_s_per_token"] for r in runs),
         # the reader's view (whole run): reads started as prefetches, and
         # prefetched records evicted from the staging arena unused
         "source_counters": last["source_counters"],
@@ -556,7 +562,7 @@ def run_ranks(args, mode, out) -> dict:
 
 
 SUMMED = ("misses", "belady_misses", "decode_misses", "bytes_read_per_token", "stall_s_per_token",
-          "copy_s_per_token",
+          "copy_s_per_token", "host_s_per_token", "predict_s_per_token",
           "prefetched_bytes", "prefetch_unused_bytes", "trace_calls", "whole_calls", "cache_bytes",
           "disk_bytes_read", "disk_bytes_read_per_token")
 
@@ -601,7 +607,7 @@ def merge_runs(runs) -> dict:
         if key in out:
             vals = [x for r in runs for x in r.get(key + "_runs", [r[key]])]
             out[key], out[key + "_runs"] = med(vals), vals
-    for key in ("copy_s_per_token", "copy_gb_s"):
+    for key in ("copy_s_per_token", "copy_gb_s", "host_s_per_token", "predict_s_per_token"):
         vals = [r[key] for r in runs if r.get(key) is not None]
         if vals:
             out[key] = med(vals)
@@ -687,19 +693,21 @@ def _prediction_cell(m) -> str:
 
 
 def table(report) -> str:
-    rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "stall ms/tok", "hit",
-             "misses", "belady", "MB/tok", "recall/prec d1 d2 d3", "unused MB", "rss infer",
-             "rss iod")]
+    rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "stall ms/tok",
+             "host ms/tok (predict)", "hit", "misses", "belady", "MB/tok", "recall/prec d1 d2 d3",
+             "unused MB", "rss infer", "rss iod")]
     for name, m in report["modes"].items():
         if "skipped" in m or "error" in m:
             why = ("skipped: " + m["skipped"]) if "skipped" in m else "failed"
-            rows.append((name, why) + ("",) * 12)
+            rows.append((name, why) + ("",) * 13)
             continue
         rows.append((
             name, _fmt(m["decode_tok_s"], ".2f"),
             "/".join(f"{x:.2f}" for x in m["decode_tok_s_runs"]),
             _fmt(m["prefill_tok_s"], ".1f"), _fmt(m["stall_fraction"], ".2f"),
             _fmt(m.get("stall_s_per_token", 0.0) * 1e3, ".2f"),
+            f"{m['host_s_per_token'] * 1e3:.2f} ({m['predict_s_per_token'] * 1e3:.2f})"
+            if "host_s_per_token" in m else "-",
             _fmt(m["hit_rate"], ".3f"), str(m["misses"]), _fmt(m["belady_misses"], "d"),
             _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _prediction_cell(m),
             _fmt(m.get("prefetch_unused_bytes", 0) / 1e6, ".2f"), format_size(m["peak_rss_infer"]),

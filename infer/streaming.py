@@ -305,7 +305,11 @@ class ExpertStore:
                       "prefetch_unused": 0, "prefetch_unused_bytes": 0,
                       "hits_first": 0,  # calls that computed cached experts while reading
                       "aside_calls": 0,  # one-token calls that computed bypassed experts apart
-                      "whole_calls": 0}  # calls of whole layers: the resident call, no sync
+                      "whole_calls": 0,  # calls of whole layers: the resident call, no sync
+                      # streamed calls' own host work (stall and copy left out), and
+                      # the part of it that is prediction: the next layers' guesses,
+                      # the prefetch plan and its hints
+                      "host_s": 0.0, "predict_s": 0.0}
         # per depth: [true positives, predicted, actual]
         self.prediction = [[0, 0, 0] for _ in range(max(self.depth, 3) + 1)]
         self._predicted = {}  # layer -> {depth: (set of experts, prefetchable)}
@@ -696,19 +700,23 @@ class StreamingExperts(nn.Module):
         # to streaming, and the only sync per MoE layer. The next layers'
         # guesses are evaluated in the same sync.
         prof, layer = store.profiler, self._layout.layer
-        t0 = time.monotonic_ns() if prof else 0
+        t0 = time.monotonic_ns()
         guesses = store.predict(layer, x) if store.depth else []
-        t1 = time.monotonic_ns() if prof else 0
+        t1 = time.monotonic_ns()
         mx.eval(indices, *[g[2] for g in guesses])
+        t2 = time.monotonic_ns()
+        io = store._io_s
         if prof:  # the compute since the previous sync, up to this router
-            t2 = time.monotonic_ns()
             prof.span("host", layer, t0, t1)
             prof.span("compute", layer, t1, t2)
         ids = np.array(indices)
         unique = sorted(set(ids.ravel().tolist()))
         store.clock(ids.size // ids.shape[-1] <= store.DECODE_ROWS)
         early = self._hits_first(x, ids, unique)  # this layer's reads go first
+        t3 = time.monotonic_ns()
         store.prefetch(guesses)
+        if store.depth:
+            store.stats["predict_s"] += (t1 - t0 + time.monotonic_ns() - t3) / 1e9
         one_token = ids.size == ids.shape[-1]
         arrays, positions, aside = store.gather(layer, unique, split=one_token)
         store._end_call()
@@ -739,8 +747,10 @@ class StreamingExperts(nn.Module):
             order = np.argsort(np.concatenate(slots))
             y = ys[0] if len(ys) == 1 else \
                 mx.take(mx.concatenate(ys, axis=-2), mx.array(order), axis=-2)
+        t4 = time.monotonic_ns()
+        store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store._io_s - io)
         if prof:  # stall and copy spans lie inside: the summary takes them out
-            prof.span("host", layer, t2, time.monotonic_ns())
+            prof.span("host", layer, t2, t4)
         # a compact or bypassed experts' stack: the graph of y holds it until
         # y is evaluated; the module must not keep it alive until the layer's
         # next call (one per layer adds up to several layers' experts)

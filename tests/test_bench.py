@@ -55,6 +55,12 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
         assert m["copy_mode"] == "host" and m["arena_pinned"] is None
         assert m["copy_s_per_token"] > 0 and m["copy_gb_s"] > 0
         assert 0 <= m["aside_calls"] <= m["misses"]
+        # the streamed calls' own host work, of it the prediction's: none without it
+        assert 0 < m["host_s_per_token"] < m["decode_s_per_token"]
+        assert 0 <= m["predict_s_per_token"] <= m["host_s_per_token"]
+        assert (m["predict_s_per_token"] > 0) == (name != "sync")
+    assert "resident" in report["modes"] and "host_s_per_token" not in report["modes"]["resident"]
+    assert "host ms/tok (predict)" in r.stdout
 
 
 def test_bench_without_hits_first(prep_model, tmp_path):
