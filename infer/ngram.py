@@ -14,6 +14,9 @@ class NgramDrafter:
     """Drafts up to ``k`` tokens by matching the last ``max_n``..``min_n`` tokens."""
 
     needs_hidden = False
+    # propose() is cheap, has no side effects, and returns nothing where no
+    # n-gram matches: the decoder asks it before each pass
+    may_abstain = True
 
     def __init__(self, max_n=3, min_n=1):
         self.max_n = max_n

@@ -123,11 +123,9 @@ def _rowwise_sdpa(orig):
         if not (mask is None or (isinstance(mask, str) and mask == "causal")):
             raise RowwiseUnsupported("attention with an explicit mask")
         S = k.shape[2]
-        outs = []
-        for j in range(L):
-            end = S - L + j + 1
-            outs.append(orig(q[:, :, j : j + 1, :], k[:, :, :end, :], v[:, :, :end, :],
-                             *args, scale=scale, mask=None, **kw))
+        outs = [orig(qj, k[:, :, : S - L + j + 1], v[:, :, : S - L + j + 1],
+                     *args, scale=scale, mask=None, **kw)
+                for j, qj in enumerate(mx.split(q, L, axis=2))]
         return mx.concatenate(outs, axis=2)
 
     return sdpa

@@ -518,14 +518,21 @@ class _Decoder:
             return
         while stats.committed < self.max_tokens:
             remaining = self.max_tokens - stats.committed
+            until = None
             if self.policy is not None:
                 action = self.policy.next(remaining)
             elif drafting and k_max:
-                action = ("draft", next(iter(self.drafters)), k_max, False)
+                name = next(iter(self.drafters))
+                d = self.drafters[name]
+                action = ("draft", name, k_max, False)
+                if self.ahead is None and getattr(d, "may_abstain", False) and not d.propose(k_max):
+                    # nothing to draft: pipelined plain steps until there is
+                    action = ("plain", remaining)
+                    until = lambda d=d: bool(d.propose(k_max))  # noqa: E731
             else:
                 action = ("plain", remaining)
             if action[0] == "plain":
-                new, stop = self.plain(action[1])
+                new, stop = self.plain(action[1], until)
             else:
                 new, stop = self.draft_pass(*action[1:])
             stats.store_end = _store_stats(self.store)
@@ -588,10 +595,12 @@ class _Decoder:
         self.shadows = []
         return total
 
-    def plain(self, n):
+    def plain(self, n, until=None):
         """Up to ``n`` one-token steps, pipelined as in mlx-lm's generate_step
         (the next step's graph is built before this step's token is read).
-        Under auto the step after the last is built too (``self.ahead``)."""
+        Under auto the step after the last is built too (``self.ahead``), and
+        so it is when ``until()``, asked after each committed token, ends the
+        steps early (a drafter has something to propose again)."""
         stats, forward, cache = self.stats, self.forward, self.cache
         n = min(n, self.max_tokens - stats.committed)
         t0 = time.perf_counter()
@@ -601,7 +610,8 @@ class _Decoder:
             self._feed_pre()
             if self.ahead is not None:
                 nxt, h, ckpt = self.ahead
-                ckpt.stop()
+                if ckpt is not None:
+                    ckpt.stop()
                 self.ahead = None
             else:
                 logits, h = forward(mx.array([[self.y]]), cache)
@@ -610,10 +620,10 @@ class _Decoder:
             for i in range(n):
                 cur, cur_h = nxt, h
                 last = i + 1 == n
-                ahead = (last and self.policy is not None
+                ahead = ((last and self.policy is not None or until is not None)
                          and stats.committed + 1 < self.max_tokens)
                 if not last or ahead:
-                    ckpt = CacheCheckpoint(cache) if ahead else None
+                    ckpt = CacheCheckpoint(cache) if ahead and until is None else None
                     logits, h = forward(cur[None], cache)
                     nxt = _greedy(logits)[0]
                     mx.async_eval(nxt)
@@ -621,7 +631,10 @@ class _Decoder:
                 out.append(t)
                 if stop:
                     break
-                if ahead:
+                if until is not None and not last and until():
+                    self.ahead = (nxt, h, ckpt)
+                    break
+                if ahead and last:
                     self.ahead = (nxt, h, ckpt)
                 if self.policy is not None:
                     ts = time.perf_counter()
@@ -656,7 +669,8 @@ class _Decoder:
             return [], False
         nxt, h, ckpt = self.ahead
         self.ahead = None
-        ckpt.stop()
+        if ckpt is not None:
+            ckpt.stop()
         t, stop = self._commit_step(nxt, h)
         return [t], stop
 

@@ -495,6 +495,40 @@ def test_switching_computes_no_position_twice(nxt, verify, monkeypatch):
     assert sum(computed) == len(p) + stats.fed
 
 
+@pytest.mark.parametrize("verify", ["exact", "rowwise"])
+def test_fixed_drafter_steps_plainly_while_it_has_nothing(moe, verify, monkeypatch):
+    # with a fixed drafter, a stretch where it proposes nothing is decoded in
+    # pipelined plain steps (the next step built before a token is read), not
+    # in one-token passes; the step built ahead of the next draft is kept
+    from infer import speculative
+
+    computed, empty = [], []
+    forward, draft_pass = speculative._Forward.__call__, speculative._Decoder.draft_pass
+
+    def counting(self, inputs, cache):
+        computed.append(inputs.shape[-1])
+        return forward(self, inputs, cache)
+
+    def checking(self, name, k, probe=False):
+        empty.append(self.ahead is None and not self.drafters[name].propose(k))
+        return draft_pass(self, name, k, probe)
+
+    monkeypatch.setattr(speculative._Forward, "__call__", counting)
+    monkeypatch.setattr(speculative._Decoder, "draft_pass", checking)
+    _, _, model, store, _ = moe
+    seen = []
+    for p in PROMPTS:
+        computed.clear()
+        ref = greedy(model, p, 64)
+        computed.clear()
+        out, stats = spec(model, p, 64, draft="ngram", num_draft=3, store=store, verify=verify)
+        assert out == ref
+        assert sum(computed) == len(p) + stats.fed  # no position computed twice
+        seen.append((stats.plain_steps, stats.draft_passes))
+    assert not any(empty)  # a pass is only made with something to verify
+    assert any(plain and drafts for plain, drafts in seen)
+
+
 def test_auto_stays_off_without_repetition(moe):
     """No n-gram ever matches on a random model's free prompt: auto never
     verifies a draft, and decodes as plain decoding does (one token fed per
@@ -632,7 +666,8 @@ def test_bench_draft_ngram(prep_model, tmp_path):
         assert c["rows"] == 24 and c["rows_bitwise_different"] == 0
     assert "speedup" in stdout
     # the ids the drafts were judged against: replaying the drafter over
-    # them gives the configuration's own counts
+    # them gives the configuration's own counts (where it proposes nothing,
+    # plain steps until it does, and the step built ahead is committed too)
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from infer.bench_draft import PROMPTS
@@ -642,8 +677,21 @@ def test_bench_draft_ngram(prep_model, tmp_path):
     assert len(ids) == 24
     drafter = NgramDrafter()
     drafter.observe(None, encode_prompt(load_tokenizer(prep_model("qwen3_moe")), PROMPTS["code"]) + ids[:1])
-    pos, drafted, accepted = 1, 0, 0
+    pos, drafted, accepted, ahead = 1, 0, 0, False
     while pos < len(ids):
+        if not ahead and not drafter.propose(3):
+            while pos < len(ids):
+                drafter.observe(None, ids[pos : pos + 1])
+                pos += 1
+                if pos < len(ids) and drafter.propose(3):
+                    ahead = True
+                    break
+            continue
+        if ahead:
+            drafter.observe(None, ids[pos : pos + 1])
+            pos, ahead = pos + 1, False
+            if pos == len(ids):
+                break
         k = min(3, len(ids) - pos - 1)
         drafts = drafter.propose(k) if k > 0 else []
         a = 0
