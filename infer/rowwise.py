@@ -9,7 +9,11 @@ there are, done row by row exactly as one-token decoding does them:
 
 - attention (``mx.fast.scaled_dot_product_attention``): each query row on
   its own, against the keys up to its own position, with no mask — the call
-  one-token decoding makes (one query, ``mask=None``);
+  one-token decoding makes (one query, ``mask=None``) — unless a probe shows
+  that the backend computes every row of a causal batch of that many rows
+  bit for bit as it computes the row alone (MLX CPU; its GPU vector kernels
+  for a few rows): then the batch is one call, which costs far less host
+  time than one call a row where a step is host-bound;
 - causal convolutions (``nn.Conv1d`` over ``[state | new inputs]``, the
   Gated-DeltaNet layers): one output position per call, over its own window;
 - the gated-delta recurrence: one step per call (its state after every
@@ -115,6 +119,42 @@ class RowwisePass:
         return False
 
 
+# (function, rows, dtype, heads, kv heads, head dim, scale) -> whether a
+# causal batch's rows are the bits of lone rows (batch_is_rows)
+_BATCH_IS_ROWS = {}
+
+
+def _rows_alone(orig, q, k, v, *args, scale, **kw):
+    """Each query row against the keys up to its position, as one-token decoding calls it."""
+    L, S = q.shape[2], k.shape[2]
+    return mx.concatenate([orig(qj, k[:, :, : S - L + j + 1], v[:, :, : S - L + j + 1],
+                                *args, scale=scale, mask=None, **kw)
+                           for j, qj in enumerate(mx.split(q, L, axis=2))], axis=2)
+
+
+def batch_is_rows(orig, L, dtype, heads, kv_heads, head_dim, scale):
+    """Whether ``orig`` computes each row of a causal batch of ``L`` query rows
+    bit for bit as a lone query over the keys up to its position. Probed once
+    per shape on random inputs, over key lengths on both sides of where
+    kernels change (MLX splits the keys in two passes past 1024)."""
+    key = (orig, L, dtype, heads, kv_heads, head_dim, scale)
+    if key not in _BATCH_IS_ROWS:
+        ok = True
+        rng = mx.random.key(0)
+        for S in (L, L + 5, 127, 300, 1024, 1025, 1024 + L, 2049, 4096 + L, 8192 + L):
+            kq, kk, kv_, rng = mx.random.split(rng, 4)
+            q = mx.random.normal((1, heads, L, head_dim), key=kq).astype(dtype)
+            k = mx.random.normal((1, kv_heads, S, head_dim), key=kk).astype(dtype)
+            v = mx.random.normal((1, kv_heads, S, head_dim), key=kv_).astype(dtype)
+            batch = orig(q, k, v, scale=scale, mask="causal")
+            same = mx.array_equal(batch, _rows_alone(orig, q, k, v, scale=scale))
+            if not same.item():
+                ok = False
+                break
+        _BATCH_IS_ROWS[key] = ok
+    return _BATCH_IS_ROWS[key]
+
+
 def _rowwise_sdpa(orig):
     def sdpa(q, k, v, *args, scale, mask=None, **kw):
         L = q.shape[2]
@@ -122,11 +162,11 @@ def _rowwise_sdpa(orig):
             return orig(q, k, v, *args, scale=scale, mask=mask, **kw)
         if not (mask is None or (isinstance(mask, str) and mask == "causal")):
             raise RowwiseUnsupported("attention with an explicit mask")
-        S = k.shape[2]
-        outs = [orig(qj, k[:, :, : S - L + j + 1], v[:, :, : S - L + j + 1],
-                     *args, scale=scale, mask=None, **kw)
-                for j, qj in enumerate(mx.split(q, L, axis=2))]
-        return mx.concatenate(outs, axis=2)
+        plain = not args and all(v is None for v in kw.values())  # no sinks
+        if plain and batch_is_rows(orig, L, q.dtype, q.shape[1], k.shape[1],
+                                                 q.shape[3], scale):
+            return orig(q, k, v, scale=scale, mask="causal")
+        return _rows_alone(orig, q, k, v, *args, scale=scale, **kw)
 
     return sdpa
 

@@ -261,14 +261,20 @@ def test_rollback_matches_fresh_run(nxt, keep):
     assert np.array_equal(np.array(fwd(mx.array([[33]]), cache)[0]), np.array(a))
 
 
-@pytest.mark.parametrize("arch,dtype", [("qwen3_moe", None), ("qwen3_next", None),
-                                        ("qwen3_next", "bfloat16")])
-def test_rowwise_rows_equal_one_token_steps(prep_model, arch, dtype):
+@pytest.mark.parametrize("arch,dtype,batched_attention", [
+    ("qwen3_moe", None, "probed"), ("qwen3_moe", None, "off"), ("qwen3_next", None, "probed"),
+    ("qwen3_next", "bfloat16", "probed"), ("qwen3_next", "bfloat16", "off")])
+def test_rowwise_rows_equal_one_token_steps(prep_model, arch, dtype, batched_attention, monkeypatch):
     """A row-wise pass's logits are the one-token steps' bits (on this CPU the
     plain batched pass is too, for these archs: docs/speculative.md), in
-    bfloat16 too (compared through float32, which holds it exactly); a model
+    bfloat16 too (compared through float32, which holds it exactly), with
+    attention in one call where the probe allows it and row by row; a model
     whose attention takes another path for several rows (deepseek_v3's
     absorbed MLA) is refused, not computed inexactly."""
+    from infer import rowwise
+
+    if batched_attention == "off":
+        monkeypatch.setattr(rowwise, "batch_is_rows", lambda *a: False)
     prep = prep_model(arch)
     source = InprocSource(prep, arena=64 << 20)
     model, _, _ = load_streaming(prep, source, cache_bytes=1 << 18,
@@ -277,6 +283,26 @@ def test_rowwise_rows_equal_one_token_steps(prep_model, arch, dtype):
         rows, differ, ids, _ = mismatch_rows(model, PROMPTS[1], 24, k, "rowwise")
         assert rows == 24 and differ == 0 and ids == 0
     source.close()
+
+
+def test_rowwise_attention_probe_refuses_a_kernel_that_depends_on_the_rows():
+    from infer import rowwise
+
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def by_rows(q, k, v, *args, scale, mask=None, **kw):  # each row alone
+        return rowwise._rows_alone(sdpa, q, k, v, scale=scale)
+
+    def skewed(q, k, v, *args, scale, mask=None, **kw):  # one bit off in a batch
+        out = by_rows(q, k, v, scale=scale)
+        return out if q.shape[2] == 1 else out * (1 + 2.0**-20)
+
+    def late(q, k, v, *args, scale, mask=None, **kw):  # another kernel past 1024 keys
+        return skewed(q, k, v, scale=scale) if k.shape[2] > 1024 else by_rows(q, k, v, scale=scale)
+
+    assert rowwise.batch_is_rows(by_rows, 3, mx.float32, 4, 2, 32, 0.17)
+    assert not rowwise.batch_is_rows(skewed, 3, mx.float32, 4, 2, 32, 0.17)
+    assert not rowwise.batch_is_rows(late, 3, mx.float32, 4, 2, 32, 0.17)
 
 
 def test_rowwise_refuses_and_falls_back(prep_model):
