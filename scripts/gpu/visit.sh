@@ -89,6 +89,7 @@ json.dump(evaluate(sys.argv[1], open(sys.argv[1] + '/heldout.txt').read()), open
 spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram on code; both exact verifies
   P="$W/p-qwen3_next"
   S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify ${VERIFY:-exact,rowwise}"
+  # SPECS: mtp-25 mtp-resident ngram (the default), ngram-25, rowab
   want() { case " ${SPECS:-mtp-25 mtp-resident ngram} " in *" $1 "*) return 0;; esac; return 1; }
   want mtp-25 && { log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
     --num-draft ${KS:-1,2,3} --prompt @prose --json "$OUT/spec-mtp-25-${VERIFY:-both}.json" 2>&1 | tail -12; }
@@ -99,6 +100,12 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
   want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$W/p-${NGRAM_ARCH:-qwen3_next}" \
     --modes resident $S --draft ngram --num-draft ${NGRAM_KS:-2,4} --draft-check --prompt @code \
     --json "$OUT/spec-ngram-${NGRAM_ARCH:-qwen3_next}-100.json" 2>&1 | tail -12; }
+  want ngram-25 && { log ngram-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$W/p-${NGRAM_ARCH:-qwen3_next}" \
+    --modes iod --budget 0.25 $S --draft ngram --num-draft ${NGRAM_KS:-2,4} --prompt @code \
+    --json "$OUT/spec-ngram-${NGRAM_ARCH:-qwen3_next}-25.json" 2>&1 | tail -12; }
+  # attention in one call where the probe allows it, against row by row, against plain (resident)
+  want rowab && { log rowab; timeout ${SPEC_S:-150} python3 scripts/rowwise_ab.py "$W/p-${NGRAM_ARCH:-qwen3_next}" @code \
+    ${NGRAM_KS:-2,4} ${REPS:-4} 64 "$OUT/rowwise-ab.json" model; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
 hitsab)  # A/B of a token's cached experts computed while its misses are read (--hits-first on|off)
