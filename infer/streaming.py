@@ -18,6 +18,7 @@ place (a long prefill with a small cache, or one-off experts) run from a
 temporary compact stack.
 """
 
+import copy
 import math
 import time
 from collections import OrderedDict
@@ -670,6 +671,55 @@ def _projection(layout, proj):
     )
 
 
+_SPLIT_EXACT = {}  # (projections' shapes and quantization, dtype) -> split_is_exact
+
+
+def split_is_exact(inner, layout, dtype):
+    """Whether the backend computes a token's product with an expert to the
+    same bits whatever other experts the call holds: then a one-token call
+    may compute its experts in groups (the cached ones first, the bypassed
+    ones from their own stack) and stay exact. True on MLX's CPU; not on
+    MLX CUDA 0.32, whose gather kernels for one token depend on how many
+    experts it has. Probed once per shape, on random weights (drawn with
+    their own key: the global random state is left alone) through copies
+    of ``inner``'s projections, in the gate/up form (one input for all
+    experts) and the down form (an input per expert)."""
+    key = (tuple(type(inner[p]) for p in layout.projections),
+           tuple((s.projection, s.tensor, tuple(s.shape), s.dtype) for s in layout.segments),
+           tuple(sorted((p, tuple(sorted(q.items()))) for p, q in layout.quantization.items())),
+           dtype)
+    if key not in _SPLIT_EXACT:
+        ok = True
+        rng = mx.random.key(0)
+        idx = mx.array([[[5, 2, 7, 0, 3, 6, 1, 4]]], dtype=mx.uint32)
+        for proj in layout.projections:
+            seg = {s.tensor: s for s in layout.segments if s.projection == proj}
+            q = layout.quantization.get(proj)
+            d_out = seg["weight"].shape[0]
+            d_in = seg["scales"].shape[-1] * q["group_size"] if q else seg["weight"].shape[1]
+            kw, kb, kx, rng = mx.random.split(rng, 4)
+            w = mx.random.uniform(-d_in**-0.5, d_in**-0.5, (8, d_out, d_in), key=kw)
+            module = copy.copy(inner[proj])  # its class and settings; tensors of its own
+            if q:
+                module.weight, scales, *biases = mx.quantize(w, q["group_size"], q["bits"], mode=q["mode"])
+                floating = mx.issubdtype(scales.dtype, mx.floating)  # mxfp4's are uint8
+                module.scales = scales.astype(dtype) if floating else scales
+                module.biases = biases[0].astype(dtype) if biases else None
+            else:
+                module.weight = w.astype(dtype)
+            if "bias" in seg:
+                module.bias = mx.random.normal((8, d_out), key=kb).astype(dtype)
+            for shape in ((1, 1, 1, 1, d_in), (1, 1, 8, 1, d_in)):
+                x = mx.random.normal(shape, key=kx).astype(dtype)
+                part = (lambda a, b: (x[:, :, a:b], idx[..., a:b])) if shape[2] > 1 else \
+                    (lambda a, b: (x, idx[..., a:b]))
+                whole = module(x, idx)
+                split = mx.concatenate([module(*part(0, 3)), module(*part(3, 8))], axis=2)
+                ok = ok and bool(mx.array_equal(whole, split).item())
+        _SPLIT_EXACT[key] = ok
+    return _SPLIT_EXACT[key]
+
+
 class StreamingExperts(nn.Module):
     """Drop-in replacement for one expert module (SwitchGLU / SwitchMLP)."""
 
@@ -681,6 +731,7 @@ class StreamingExperts(nn.Module):
         for proj in layout.projections:
             setattr(inner, proj, _projection(layout, proj))
         self._lut = np.zeros(layout.num_experts, dtype=np.uint32)  # expert -> position
+        self._split = {}  # activation dtype -> split_is_exact
 
     def __call__(self, x, indices):
         store = self._store
@@ -712,12 +763,17 @@ class StreamingExperts(nn.Module):
         ids = np.array(indices)
         unique = sorted(set(ids.ravel().tolist()))
         store.clock(ids.size // ids.shape[-1] <= store.DECODE_ROWS)
-        early = self._hits_first(x, ids, unique)  # this layer's reads go first
+        # a token's experts in groups (the cached first, the bypassed apart)
+        # only where the backend computes each the same in any group
+        split = self._split.get(x.dtype)
+        if split is None:
+            split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
+        one_token = split and ids.size == ids.shape[-1]
+        early = self._hits_first(x, ids, unique, one_token)  # this layer's reads go first
         t3 = time.monotonic_ns()
         store.prefetch(guesses)
         if store.depth:
             store.stats["predict_s"] += (t1 - t0 + time.monotonic_ns() - t3) / 1e9
-        one_token = ids.size == ids.shape[-1]
         arrays, positions, aside = store.gather(layer, unique, split=one_token)
         store._end_call()
         self._bind(arrays)
@@ -757,10 +813,11 @@ class StreamingExperts(nn.Module):
         self._bind(store.stacks[layer].arrays)
         return y
 
-    def _hits_first(self, x, ids, unique):
+    def _hits_first(self, x, ids, unique, split):
         """One token whose experts are not all cached: start reading the
         others now, before the next layers' prefetch is planned, and with
-        ``store.hits_first`` compute the cached ones meanwhile. Returns (hit
+        ``store.hits_first`` and ``split`` (split_is_exact) compute the
+        cached ones meanwhile. Returns (hit
         mask over the token's experts, their outputs, being evaluated), or
         None. Exact: each (token, expert) product is computed on its own
         either way."""
@@ -772,7 +829,7 @@ class StreamingExperts(nn.Module):
         if hit.all():
             return None
         store.start_reads(self._layout.layer, [e for e in unique if e not in stack])
-        if not store.hits_first or not hit.any():
+        if not (store.hits_first and split) or not hit.any():
             return None
         store.stats["hits_first"] += 1
         self._bind(stack.arrays)

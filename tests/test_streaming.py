@@ -75,6 +75,46 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
             assert store.stats["misses"] <= sum(l.num_experts for l in source.manifest.layers)
 
 
+def test_split_only_where_each_expert_is_computed_alike(synth_model, prep_model, monkeypatch):
+    """A one-token call computes its experts in groups (cached first, bypassed
+    apart) only where the probe finds a product's bits independent of the
+    other experts in the call (MLX CUDA 0.32's gather kernels are not: the
+    H200, docs/benchmarks.md). A kernel that depends on them is refused, and
+    with the split off the streamed ids stay mlx-lm's."""
+    import copy
+
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    from infer import streaming
+
+    class ByCount(QuantizedSwitchLinear):  # one bit off unless it has all 8 experts
+        def __call__(self, x, indices, sorted_indices=False):
+            y = super().__call__(x, indices, sorted_indices)
+            return y if indices.shape[-1] == 8 else y * (1 + 2.0**-20)
+
+    src = synth_model("qwen3_moe")
+    prep = prep_model("qwen3_moe")
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // 8)
+    module = next(m for _, m in model.named_modules() if isinstance(m, streaming.StreamingExperts))
+    assert streaming.split_is_exact(module._inner, module._layout, mx.float32)  # MLX CPU
+    skewed = copy.copy(module._inner)
+    for proj in module._layout.projections:
+        skewed[proj] = copy.copy(skewed[proj])
+        skewed[proj].__class__ = ByCount
+    assert not streaming.split_is_exact(skewed, module._layout, mx.float32)
+
+    ref_model, tokenizer = mlx_load(str(src))
+    ids = tokenizer.encode(PROMPT)
+    expected = greedy(ref_model, ids)
+    monkeypatch.setattr(streaming, "split_is_exact", lambda *a: False)
+    store.hits_first = True
+    assert greedy(model, ids) == expected
+    assert store.stats["misses"] > 0 and store.stats["hits_first"] == 0
+    assert store.stats["aside_calls"] == 0
+    source.close()
+
+
 def test_prediction_is_scored_per_depth(synth_model, prep_model):
     prep = prep_model("qwen3_moe")
     source = InprocSource(prep, arena=64 << 20)
