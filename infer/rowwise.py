@@ -11,9 +11,9 @@ there are, done row by row exactly as one-token decoding does them:
   its own, against the keys up to its own position, with no mask — the call
   one-token decoding makes (one query, ``mask=None``) — unless a probe shows
   that the backend computes every row of a causal batch of that many rows
-  bit for bit as it computes the row alone (MLX CPU; its GPU vector kernels
-  for a few rows): then the batch is one call, which costs far less host
-  time than one call a row where a step is host-bound;
+  bit for bit as it computes the row alone (MLX's CPU, as measured; not
+  MLX CUDA 0.32): then the batch is one call, which costs less host time
+  than one call a row where a step is host-bound;
 - causal convolutions (``nn.Conv1d`` over ``[state | new inputs]``, the
   Gated-DeltaNet layers): one output position per call, over its own window;
 - the gated-delta recurrence: one step per call (its state after every
@@ -163,8 +163,7 @@ def _rowwise_sdpa(orig):
         if not (mask is None or (isinstance(mask, str) and mask == "causal")):
             raise RowwiseUnsupported("attention with an explicit mask")
         plain = not args and all(v is None for v in kw.values())  # no sinks
-        if plain and batch_is_rows(orig, L, q.dtype, q.shape[1], k.shape[1],
-                                                 q.shape[3], scale):
+        if plain and batch_is_rows(orig, L, q.dtype, q.shape[1], k.shape[1], q.shape[3], scale):
             return orig(q, k, v, scale=scale, mask="causal")
         return _rows_alone(orig, q, k, v, *args, scale=scale, **kw)
 

@@ -528,7 +528,7 @@ class _Decoder:
                 if self.ahead is None and getattr(d, "may_abstain", False) and not d.propose(k_max):
                     # nothing to draft: pipelined plain steps until there is
                     action = ("plain", remaining)
-                    until = lambda d=d: bool(d.propose(k_max))  # noqa: E731
+                    until = lambda d=d: bool(d.propose(k_max))
             else:
                 action = ("plain", remaining)
             if action[0] == "plain":

@@ -671,7 +671,7 @@ def _projection(layout, proj):
     )
 
 
-_SPLIT_EXACT = {}  # (projections' shapes and quantization, dtype) -> split_is_exact
+_SPLIT_EXACT = {}  # (projection classes, shapes, quantization, dtype) -> split_is_exact
 
 
 def split_is_exact(inner, layout, dtype):
@@ -768,13 +768,13 @@ class StreamingExperts(nn.Module):
         split = self._split.get(x.dtype)
         if split is None:
             split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
-        one_token = split and ids.size == ids.shape[-1]
-        early = self._hits_first(x, ids, unique, one_token)  # this layer's reads go first
+        early = self._hits_first(x, ids, unique, split)  # this layer's reads go first
         t3 = time.monotonic_ns()
         store.prefetch(guesses)
         if store.depth:
             store.stats["predict_s"] += (t1 - t0 + time.monotonic_ns() - t3) / 1e9
-        arrays, positions, aside = store.gather(layer, unique, split=one_token)
+        one_token = ids.size == ids.shape[-1]
+        arrays, positions, aside = store.gather(layer, unique, split=split and one_token)
         store._end_call()
         self._bind(arrays)
         lut = self._lut  # entries of other experts are stale, and unread
