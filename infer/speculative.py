@@ -620,10 +620,10 @@ class _Decoder:
             for i in range(n):
                 cur, cur_h = nxt, h
                 last = i + 1 == n
-                ahead = ((last and self.policy is not None or until is not None)
+                ahead = (last and self.policy is not None
                          and stats.committed + 1 < self.max_tokens)
                 if not last or ahead:
-                    ckpt = CacheCheckpoint(cache) if ahead and until is None else None
+                    ckpt = CacheCheckpoint(cache) if ahead else None
                     logits, h = forward(cur[None], cache)
                     nxt = _greedy(logits)[0]
                     mx.async_eval(nxt)
@@ -632,9 +632,9 @@ class _Decoder:
                 if stop:
                     break
                 if until is not None and not last and until():
-                    self.ahead = (nxt, h, ckpt)
+                    self.ahead = (nxt, h, None)  # the next step, already built
                     break
-                if ahead and last:
+                if ahead:
                     self.ahead = (nxt, h, ckpt)
                 if self.policy is not None:
                     ts = time.perf_counter()

@@ -544,7 +544,6 @@ def test_fixed_drafter_steps_plainly_while_it_has_nothing(moe, verify, monkeypat
     _, _, model, store, _ = moe
     seen = []
     for p in PROMPTS:
-        computed.clear()
         ref = greedy(model, p, 64)
         computed.clear()
         out, stats = spec(model, p, 64, draft="ngram", num_draft=3, store=store, verify=verify)
