@@ -321,13 +321,16 @@ class SpecStats:
     drafting: bool = True  # whether the last pass drafted
     union: list = field(default_factory=lambda: [0, 0, 0])  # see Wavefront.union
     policy: object = None  # the AutoPolicy of --draft auto
+    auto_off: str = ""  # why --draft auto decoded plainly without a policy
     store_start: dict = field(default_factory=dict)  # the store's stats after the prefill
     store_end: dict = field(default_factory=dict)
 
     @property
     def auto(self) -> dict:
         """AutoPolicy.summary() of --draft auto (made when asked: it is not free)."""
-        return self.policy.summary() if self.policy is not None else {}
+        if self.policy is not None:
+            return self.policy.summary()
+        return {"off": self.auto_off} if self.auto_off else {}
 
     @property
     def auto_log(self):
@@ -372,6 +375,11 @@ class SpecStats:
             "no_rollback_passes": self.no_rollback_passes,
             "auto": self.auto,
         }
+
+
+def _reads_to_save(store):
+    """Whether a verify batch's union can save reads: some layer streams."""
+    return store is not None and not store.all_resident
 
 
 def _store_stats(store):
@@ -428,6 +436,14 @@ def speculative_generate(
     if drafter is None and mtp is not None and draft in ("mtp", "auto"):
         drafters["mtp"] = mtp
     k_max = 0 if draft == "none" else max(0, int(num_draft))
+    asked_k, off = k_max, ""
+    if draft == "auto" and policy is None and verify == "exact" and not _reads_to_save(store):
+        # the lockstep verify of K+1 tokens is K+1 one-token passes: with
+        # nothing to read it costs K+1 plain steps or more for at most K+1
+        # tokens, so drafting cannot pay; decode plainly, with no shadow
+        # proposals or probes to pay for
+        drafters, k_max = {}, 0
+        off = "lockstep verify, every expert resident: a pass costs at least K+1 plain steps"
     if draft == "auto" and policy is None and k_max:
         from .spec_policy import AutoPolicy
 
@@ -435,7 +451,8 @@ def speculative_generate(
                             prior_beta=1.0 if verify == "exact" else 0.3)
     run = _Decoder(model, drafters, verify, store, eos_ids, max_tokens, policy)
     run.stats.draft = draft
-    run.stats.k = k_max
+    run.stats.k = asked_k
+    run.stats.auto_off = off
     yield from run.generate(prompt_ids, prefill_step_size, k_max, draft != "none")
 
 
@@ -531,7 +548,17 @@ class _Decoder:
                     until = lambda d=d: bool(d.propose(k_max))
             else:
                 action = ("plain", remaining)
-            if action[0] == "plain":
+            new, stop = [], False
+            if action[0] == "plain" and self.policy is None:
+                # nothing times these steps: each token goes out when committed
+                steps = self.plain_steps(action[1], until)
+                while True:
+                    try:
+                        yield next(steps), stats
+                    except StopIteration as end:
+                        stop = end.value
+                        break
+            elif action[0] == "plain":
                 new, stop = self.plain(action[1], until)
             else:
                 new, stop = self.draft_pass(*action[1:])
@@ -596,17 +623,27 @@ class _Decoder:
         return total
 
     def plain(self, n, until=None):
+        """``plain_steps`` as (tokens, whether generation ends)."""
+        out, steps = [], self.plain_steps(n, until)
+        while True:
+            try:
+                out.append(next(steps))
+            except StopIteration as end:
+                return out, end.value
+
+    def plain_steps(self, n, until=None):
         """Up to ``n`` one-token steps, pipelined as in mlx-lm's generate_step
-        (the next step's graph is built before this step's token is read).
+        (the next step's graph is built before this step's token is read),
+        yielding each token when committed; returns whether generation ends.
         Under auto the step after the last is built too (``self.ahead``), and
         so it is when ``until()``, asked after each committed token, ends the
         steps early (a drafter has something to propose again)."""
-        stats, forward, cache = self.stats, self.forward, self.cache
+        stats, forward, cache, stream = self.stats, self.forward, self.cache, self.stream
         n = min(n, self.max_tokens - stats.committed)
         t0 = time.perf_counter()
         shadow_s = 0.0
-        out, stop = [], False
-        with mx.stream(self.stream):
+        done, stop = 0, False
+        with mx.stream(stream):
             self._feed_pre()
             if self.ahead is not None:
                 nxt, h, ckpt = self.ahead
@@ -617,7 +654,9 @@ class _Decoder:
                 logits, h = forward(mx.array([[self.y]]), cache)
                 nxt = _greedy(logits)[0]
                 mx.async_eval(nxt)
-            for i in range(n):
+        for i in range(n):
+            # the stream is entered per step: the caller runs between yields
+            with mx.stream(stream):
                 cur, cur_h = nxt, h
                 last = i + 1 == n
                 ahead = (last and self.policy is not None
@@ -628,24 +667,25 @@ class _Decoder:
                     nxt = _greedy(logits)[0]
                     mx.async_eval(nxt)
                 t, stop = self._commit_step(cur, cur_h)
-                out.append(t)
-                if stop:
-                    break
-                if until is not None and not last and until():
+                done += 1
+                if not stop and until is not None and not last and until():
                     self.ahead = (nxt, h, None)  # the next step, already built
-                    break
-                if ahead:
+                    last = True
+                elif not stop and ahead:
                     self.ahead = (nxt, h, ckpt)
-                if self.policy is not None:
+                if not stop and self.policy is not None:
                     ts = time.perf_counter()
                     self._shadow()
                     shadow_s += time.perf_counter() - ts
+            yield t
+            if stop or last:
+                break
         dt = time.perf_counter() - t0
         stats.decode_s += dt
         stats.drafting = False
         if self.policy is not None:
-            self.policy.plain(dt - shadow_s, len(out))
-        return out, stop
+            self.policy.plain(dt - shadow_s, done)
+        return stop
 
     def _commit_step(self, token, hidden):
         """Commits the token of a plain step (``token``: its array, ``hidden``:

@@ -35,7 +35,7 @@ from shared.blob import NUMPY_DTYPES
 from shared.source import Batch
 
 from . import predict
-from .budget import split_cache
+from .budget import cached_layers, split_cache
 from .client import DaemonDead
 
 _MX_DTYPES = {
@@ -327,6 +327,13 @@ class ExpertStore:
         if layer not in self.stacks:
             self.stacks[layer] = LayerStack(self.layouts[layer], self.capacity.get(layer, 0), self.dtype)
         return self.stacks[layer]
+
+    @property
+    def all_resident(self) -> bool:
+        """Every expert of the model's layers (an MTP head's aside) in its
+        layer's stack: plain decoding reads nothing any more."""
+        return all(l.layer in self.stacks and self.stacks[l.layer].complete
+                   for l in cached_layers(self.manifest))
 
     def set_routers(self, routers):
         self.routers = routers

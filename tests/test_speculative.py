@@ -901,3 +901,34 @@ def test_queued_mtp_shadow_proposals_are_judged_at_their_own_position(trained_ne
     # the first chunk measures the step time; every later step proposes
     assert len(judged) >= 47 - 2 * policy.CHUNK, len(judged)
     assert policy.rate("mtp") > 0.3, policy.rate("mtp")
+
+
+def test_auto_decodes_plainly_where_nothing_is_read(prep_model):
+    # every expert resident and the lockstep verify: a pass of K+1 tokens is
+    # K+1 one-token passes and saves no read, so auto runs no policy (no
+    # probe, no shadow proposal, no pass), and each token goes out when it
+    # is committed, not at the end of a stretch of plain steps
+    from shared.blob import Manifest
+
+    prep = prep_model("qwen3_moe")
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, cache_bytes=Manifest.load(prep).expert_bytes)
+    assert not store.all_resident
+    store.preload()
+    assert store.all_resident
+    p = PROMPTS[0]
+    ref = greedy(model, p, 48)
+    out, committed = [], []
+    for t, stats in speculative_generate(model, p, draft="auto", num_draft=3, max_tokens=48,
+                                         store=store):
+        out.append(t)
+        committed.append(stats.committed)
+    assert out == ref
+    assert committed == list(range(1, 49))
+    assert stats.auto["off"].startswith("lockstep verify") and stats.k == 3
+    assert stats.draft_passes == 0 and stats.plain_steps == 47
+    # the row-wise verify can cost less than a step a token: auto measures it
+    out, stats = spec(model, p, 48, draft="auto", num_draft=3, store=store, verify="rowwise")
+    source.close()
+    assert out == ref
+    assert stats.auto["t1_s"] > 0
