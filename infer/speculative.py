@@ -481,7 +481,7 @@ class _Decoder:
         self.stats = SpecStats(verify=verify)
         self.pre = []  # accepted tokens to feed again (batched verify, recurrent caches)
         self.y = None  # the last committed token, not yet fed to the model
-        # (next token, hidden, checkpoint): a plain step built past the end of
+        # (next token, hidden): a plain step built past the end of
         # a chunk so the pipeline does not drain at every decision of auto;
         # a pass that drafts next keeps it as a step of its own
         self.ahead = None
@@ -646,9 +646,7 @@ class _Decoder:
         with mx.stream(stream):
             self._feed_pre()
             if self.ahead is not None:
-                nxt, h, ckpt = self.ahead
-                if ckpt is not None:
-                    ckpt.stop()
+                nxt, h = self.ahead
                 self.ahead = None
             else:
                 logits, h = forward(mx.array([[self.y]]), cache)
@@ -662,17 +660,16 @@ class _Decoder:
                 ahead = (last and self.policy is not None
                          and stats.committed + 1 < self.max_tokens)
                 if not last or ahead:
-                    ckpt = CacheCheckpoint(cache) if ahead else None
                     logits, h = forward(cur[None], cache)
                     nxt = _greedy(logits)[0]
                     mx.async_eval(nxt)
                 t, stop = self._commit_step(cur, cur_h)
                 done += 1
                 if not stop and until is not None and not last and until():
-                    self.ahead = (nxt, h, None)  # the next step, already built
+                    self.ahead = (nxt, h)  # the next step, already built
                     last = True
                 elif not stop and ahead:
-                    self.ahead = (nxt, h, ckpt)
+                    self.ahead = (nxt, h)
                 if not stop and self.policy is not None:
                     ts = time.perf_counter()
                     self._shadow()
@@ -707,10 +704,8 @@ class _Decoder:
         token is the greedy one), not computed again. Returns (tokens, stop)."""
         if self.ahead is None:
             return [], False
-        nxt, h, ckpt = self.ahead
+        nxt, h = self.ahead
         self.ahead = None
-        if ckpt is not None:
-            ckpt.stop()
         t, stop = self._commit_step(nxt, h)
         return [t], stop
 
