@@ -377,11 +377,6 @@ class SpecStats:
         }
 
 
-def _reads_to_save(store):
-    """Whether a verify batch's union can save reads: some layer streams."""
-    return store is not None and not store.all_resident
-
-
 def _store_stats(store):
     return dict(store.stats) if store is not None else {}
 
@@ -437,7 +432,8 @@ def speculative_generate(
         drafters["mtp"] = mtp
     k_max = 0 if draft == "none" else max(0, int(num_draft))
     asked_k, off = k_max, ""
-    if draft == "auto" and policy is None and verify == "exact" and not _reads_to_save(store):
+    resident = store is None or store.all_resident
+    if draft == "auto" and policy is None and verify == "exact" and resident:
         # the lockstep verify of K+1 tokens is K+1 one-token passes: with
         # nothing to read it costs K+1 plain steps or more for at most K+1
         # tokens, so drafting cannot pay; decode plainly, with no shadow
@@ -548,16 +544,10 @@ class _Decoder:
                     until = lambda d=d: bool(d.propose(k_max))
             else:
                 action = ("plain", remaining)
-            new, stop = [], False
+            new = []
             if action[0] == "plain" and self.policy is None:
                 # nothing times these steps: each token goes out when committed
-                steps = self.plain_steps(action[1], until)
-                while True:
-                    try:
-                        yield next(steps), stats
-                    except StopIteration as end:
-                        stop = end.value
-                        break
+                stop = yield from self.plain_steps(action[1], until)
             elif action[0] == "plain":
                 new, stop = self.plain(action[1], until)
             else:
@@ -627,14 +617,14 @@ class _Decoder:
         out, steps = [], self.plain_steps(n, until)
         while True:
             try:
-                out.append(next(steps))
+                out.append(next(steps)[0])
             except StopIteration as end:
                 return out, end.value
 
     def plain_steps(self, n, until=None):
         """Up to ``n`` one-token steps, pipelined as in mlx-lm's generate_step
         (the next step's graph is built before this step's token is read),
-        yielding each token when committed; returns whether generation ends.
+        yielding (token, stats) when committed; returns whether generation ends.
         Under auto the step after the last is built too (``self.ahead``), and
         so it is when ``until()``, asked after each committed token, ends the
         steps early (a drafter has something to propose again)."""
@@ -674,7 +664,7 @@ class _Decoder:
                     ts = time.perf_counter()
                     self._shadow()
                     shadow_s += time.perf_counter() - ts
-            yield t
+            yield t, stats
             if stop or last:
                 break
         dt = time.perf_counter() - t0
