@@ -756,18 +756,19 @@ class StreamingExperts(nn.Module):
             return self._inner(x, indices)
         # Reading the routed ids forces evaluation up to the router: inherent
         # to streaming, and the only sync per MoE layer. The next layers'
-        # guesses are evaluated in the same sync.
+        # guesses are computed right behind the ids, and read once this
+        # layer's experts are computing (below).
         prof, layer = store.profiler, self._layout.layer
         t0 = time.monotonic_ns()
         guesses = store.predict(layer, x) if store.depth else []
         t1 = time.monotonic_ns()
-        mx.eval(indices, *[g[2] for g in guesses])
+        mx.async_eval(indices, *[g[2] for g in guesses])
+        ids = np.array(indices)
         t2 = time.monotonic_ns()
         io = store._io_s
         if prof:  # the compute since the previous sync, up to this router
             prof.span("host", layer, t0, t1)
             prof.span("compute", layer, t1, t2)
-        ids = np.array(indices)
         unique = sorted(set(ids.ravel().tolist()))
         store.clock(ids.size // ids.shape[-1] <= store.DECODE_ROWS)
         # a token's experts in groups (the cached first, the bypassed apart)
@@ -775,14 +776,9 @@ class StreamingExperts(nn.Module):
         split = self._split.get(x.dtype)
         if split is None:
             split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
-        early = self._hits_first(x, ids, unique, split)  # this layer's reads go first
-        t3 = time.monotonic_ns()
-        store.prefetch(guesses)
-        if store.depth:
-            store.stats["predict_s"] += (t1 - t0 + time.monotonic_ns() - t3) / 1e9
+        early = self._hits_first(x, ids, unique, split)
         one_token = ids.size == ids.shape[-1]
         arrays, positions, aside = store.gather(layer, unique, split=split and one_token)
-        store._end_call()
         self._bind(arrays)
         lut = self._lut  # entries of other experts are stale, and unread
         lut[unique] = positions
@@ -810,6 +806,14 @@ class StreamingExperts(nn.Module):
             order = np.argsort(np.concatenate(slots))
             y = ys[0] if len(ys) == 1 else \
                 mx.take(mx.concatenate(ys, axis=-2), mx.array(order), axis=-2)
+        if guesses:
+            # the experts compute while the next layers' reads are planned
+            # and hinted: that host work leaves the path from router to router
+            mx.async_eval(y)
+            t3 = time.monotonic_ns()
+            store.prefetch(guesses)
+            store.stats["predict_s"] += (t1 - t0 + time.monotonic_ns() - t3) / 1e9
+        store._end_call()
         t4 = time.monotonic_ns()
         store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store._io_s - io)
         if prof:  # stall and copy spans lie inside: the summary takes them out
@@ -821,23 +825,20 @@ class StreamingExperts(nn.Module):
         return y
 
     def _hits_first(self, x, ids, unique, split):
-        """One token whose experts are not all cached: start reading the
-        others now, before the next layers' prefetch is planned, and with
-        ``store.hits_first`` and ``split`` (split_is_exact) compute the
-        cached ones meanwhile. Returns (hit
-        mask over the token's experts, their outputs, being evaluated), or
-        None. Exact: each (token, expert) product is computed on its own
-        either way."""
+        """One token whose experts are partly cached, with ``store.hits_first``
+        and ``split`` (split_is_exact): start reading the others, and compute
+        the cached ones meanwhile. Returns (hit mask over the token's experts,
+        their outputs, being evaluated), or None. Exact: each (token, expert)
+        product is computed on its own either way."""
         store = self._store
         stack = store.stacks.get(self._layout.layer)
-        if stack is None or ids.size != ids.shape[-1] or len(unique) > stack.capacity:
+        if (not (store.hits_first and split) or stack is None or ids.size != ids.shape[-1]
+                or len(unique) > stack.capacity):
             return None
         hit = np.array([e in stack for e in ids.ravel().tolist()])
-        if hit.all():
+        if hit.all() or not hit.any():
             return None
         store.start_reads(self._layout.layer, [e for e in unique if e not in stack])
-        if not (store.hits_first and split) or not hit.any():
-            return None
         store.stats["hits_first"] += 1
         self._bind(stack.arrays)
         pos = np.array([stack.position[e] for e in ids.ravel()[hit].tolist()], dtype=np.uint32)
