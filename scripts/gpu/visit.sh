@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|hitsab|ship|tinyspec|overhead|split|probecopy
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|hitsab|ship|tinyspec|overhead|split|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -108,6 +108,17 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
     ${NGRAM_KS:-2,4} ${REPS:-4} 64 "$OUT/rowwise-ab.json" model; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
+ab)  # the working tree against an older copy of the code (AB_BASE, a folder holding infer/ iod/ shared/
+  # native/), alternating, on the trained model: `infer bench` at BUDGET, ROUNDS rounds of each
+  base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
+  [ -f "$base"/native/_iodnative*.so ] 2>/dev/null || cp native/_iodnative*.so "$base/native/"
+  for r in $(seq ${ROUNDS:-2}); do for side in base new; do
+    dir=$PWD; [ $side = base ] && dir=$base
+    log "round $r $side"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.bench \
+      --model "$W/p-${ARCH:-qwen3_next}" --budget ${BUDGET:-0.25} --modes ${MODES:-iod} --runs ${RUNS:-3} \
+      --max-tokens 48 --prompt @pycode --raw-prompt --json "$OUT/ab-$r-$side.json" 2>&1 | tail -3)
+  done; done ;;
 hitsab)  # A/B of a token's cached experts computed while its misses are read (--hits-first on|off)
   log prep-tiny; infer prep --model tests/models/tiny-trained-qwen3_moe --out "$W/tiny" --force --no-progress | tail -1
   log warm; infer run --model "$W/tiny" --max-tokens 4 --prompt Hello > /dev/null
