@@ -394,8 +394,8 @@ class IodClient(ExpertSource):
 
     # ---- ExpertSource ----------------------------------------------------------------
 
-    def _send_prefetch(self, layer, experts, now, due):
-        self._send(P.Prefetch(self._req(), self.model_id, layer, experts, now, due))
+    def _send_prefetch(self, hints, now):
+        self._send(P.Prefetch(self._req(), self.model_id, now, hints))
 
     def _demand(self, layer, experts):
         reply = self._call(P.Demand(self._req(), self.model_id, layer, experts, self.layer_calls))

@@ -435,12 +435,13 @@ class ExpertStore:
         by_layer = {}
         for _, d, layer, e in chosen:
             by_layer.setdefault((layer, d), []).append(e)
-        for (layer, d), experts in sorted(by_layer.items()):
-            sent = self._call("prefetch", layer, sorted(experts), d)
-            sent = experts if sent is None else sent  # sources that do not say
-            self._hinted.setdefault(layer, set()).update(sent)
-            self.stats["prefetched"] += len(sent)
-            self.stats["prefetched_bytes"] += len(sent) * self.layouts[layer].record_bytes
+        hints = [(layer, sorted(experts), d) for (layer, d), experts in sorted(by_layer.items())]
+        sent = self._call("prefetch_many", hints)
+        for (layer, experts, _), hinted in zip(hints, sent or [None] * len(hints)):
+            hinted = experts if hinted is None else hinted  # sources that do not say
+            self._hinted.setdefault(layer, set()).update(hinted)
+            self.stats["prefetched"] += len(hinted)
+            self.stats["prefetched_bytes"] += len(hinted) * self.layouts[layer].record_bytes
 
     def start_reads(self, layer, experts):
         """Have the source start reading ``experts`` (a call's misses) now, so

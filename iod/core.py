@@ -374,13 +374,14 @@ class Core:
 
     def on_prefetch(self, ident, m: P.Prefetch, peer_pid, received):
         s = self._session(ident, m.model_id)
-        layout, experts = self._layout(s, m.layer, m.experts)
+        hints = [(h, *self._layout(s, h.layer, h.experts)) for h in m.hints]  # all valid, or none taken
         self._advance(s, m.now)
         self.c["prefetches"] += 1
-        for e in experts:
-            key = (s.model.id, m.layer, e)
-            if self.arena.lookup(key) is None:  # neither ready nor being read
-                self.sched.prefetch(key, s.model, layout, s.id, m.due, received)
+        for h, layout, experts in hints:
+            for e in experts:
+                key = (s.model.id, h.layer, e)
+                if self.arena.lookup(key) is None:  # neither ready nor being read
+                    self.sched.prefetch(key, s.model, layout, s.id, h.due, received)
 
     def on_demand(self, ident, m: P.Demand, peer_pid, received):
         s = self._session(ident, m.model_id)

@@ -95,8 +95,8 @@ class InprocSource(ExpertSource):
         self._complete(block=False)
         self.core.pump()
 
-    def _send_prefetch(self, layer, experts, now, due):
-        self.core.handle(_ME, P.Prefetch(self._req(), self.model_id, layer, experts, now, due))
+    def _send_prefetch(self, hints, now):
+        self.core.handle(_ME, P.Prefetch(self._req(), self.model_id, now, hints))
         self._complete(block=False)
         self.core.pump()
         self.core.outbox.clear()  # hints get no reply

@@ -3,7 +3,7 @@
 Nothing else lives here. Encoding and the strict decoder are in
 ``shared.codec``. A message travels as two ZeroMQ frames: the kind as one
 byte, then the msgpack body (a map of the message's fields; a nested
-message type, such as ``SlotRef``, travels as a map too).
+message type, such as ``SlotRef`` or ``Hint``, travels as a map too).
 
 Rules: kind values and error codes are fixed by hand and never reordered or
 reused (retired ones are listed, not recycled). A *call* (HELLO, DEMAND,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Dict, List
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class MsgKind(IntEnum):
@@ -90,17 +90,25 @@ class Hello:
 
 
 @dataclass(frozen=True)
+class Hint:
+    """Records of ``layer`` expected to be used at the session's layer call
+    number ``due``."""
+
+    layer: int
+    experts: List[int]
+    due: int
+
+
+@dataclass(frozen=True)
 class Prefetch:
-    """A hint: read these records of ``layer`` ahead; they are expected to be
-    used at the session's layer call number ``due``. ``now`` is the session's
-    current call number: queued prefetches due before it are dropped."""
+    """A hint: read these records ahead. ``now`` is the session's current
+    call number: queued prefetches due before it are dropped. One message
+    carries what a layer call guesses for all the layers after it."""
 
     req_id: int
     model_id: int
-    layer: int
-    experts: List[int]
     now: int
-    due: int
+    hints: List[Hint]
 
 
 @dataclass(frozen=True)

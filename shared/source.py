@@ -21,6 +21,7 @@ import numpy as np
 
 import native
 
+from . import protocol as P
 from . import slots as S
 
 
@@ -87,12 +88,19 @@ class ExpertSource:
     def prefetch(self, layer, experts, ahead=1) -> list:
         """Hint: ``layer``'s ``experts`` are likely needed ``ahead`` layer calls
         from now. Records already ready are left out; returns the ones hinted."""
+        return self.prefetch_many([(layer, experts, ahead)])[0]
+
+    def prefetch_many(self, hints) -> list:
+        """``prefetch`` of several layers, [(layer, experts, ahead)], in one
+        message; returns, per hint, the experts hinted."""
         self._check()
-        todo = self.not_ready(layer, experts)
-        if todo:
+        now = self.layer_calls
+        todo = [self.not_ready(layer, experts) for layer, experts, _ in hints]
+        sent = [P.Hint(layer, t, now + ahead) for (layer, _, ahead), t in zip(hints, todo) if t]
+        if sent:
             self.counters["prefetch_hints"] += 1
-            self.counters["prefetched"] += len(todo)
-            self._send_prefetch(layer, todo, self.layer_calls, self.layer_calls + ahead)
+            self.counters["prefetched"] += sum(len(h.experts) for h in sent)
+            self._send_prefetch(sent, now)
         return todo
 
     def not_ready(self, layer, experts) -> list:
@@ -223,7 +231,8 @@ class ExpertSource:
     def _poll(self):
         pass
 
-    def _send_prefetch(self, layer, experts, now, due):
+    def _send_prefetch(self, hints, now):
+        """Send ``hints`` (``protocol.Hint``s) as one PREFETCH."""
         raise NotImplementedError
 
     def _demand(self, layer, experts):

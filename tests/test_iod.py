@@ -26,7 +26,7 @@ def test_round_trip_every_kind(daemon, model):
     assert (daemon.folder / "arena.name").read_text().split() == [h.shm_name, h.pins_name]
     assert 0 <= h.pin_row < h.pin_rows
     m = Manifest.load(model)
-    r.send(P.Prefetch(r.req(), h.model_id, 1, [3, 4], 0, 1))  # a hint: no reply
+    r.send(P.Prefetch(r.req(), h.model_id, 0, [P.Hint(1, [3, 4], 1)]))  # a hint: no reply
     a = r.rt(P.Demand(r.req(), h.model_id, 0, [0, 5], 1))
     assert isinstance(a, P.DemandOk) and sorted(ref.expert for ref in a.refs) == [0, 5]
     assert a.stamps == []  # timestamps travel only to profiling sessions

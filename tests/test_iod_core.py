@@ -98,7 +98,7 @@ class Harness:
         return self.call(ident, P.Demand, mid, layer, experts, now)
 
     def prefetch(self, ident, mid, layer, experts, now=0, due=1):
-        self.call(ident, P.Prefetch, mid, layer, experts, now, due)
+        self.call(ident, P.Prefetch, mid, now, [P.Hint(layer, experts, due)])
 
     def row(self, hello):
         return self.arena._pins[hello.pin_row]
@@ -378,6 +378,20 @@ def test_out_of_range_and_no_session(folder):
         with pytest.raises(Failure) as e:
             h.demand(b"a", a.model_id, layer, experts)
         assert e.value.code == E.OUT_OF_RANGE
+
+
+def test_one_prefetch_hints_several_layers_all_or_none(folder):
+    h = Harness(folder, workers=1)
+    a = h.hello(b"a")
+    h.call(b"a", P.Prefetch, a.model_id, 0, [P.Hint(0, [1, 2], 1), P.Hint(2, [5], 2)])
+    assert sorted(h.core.sched.reads) == [(a.model_id, 0, 1), (a.model_id, 0, 2), (a.model_id, 2, 5)]
+    while h.reader.jobs:
+        h.finish()
+    # a bad hint refuses the message: its good hints are not read either
+    with pytest.raises(Failure) as e:
+        h.call(b"a", P.Prefetch, a.model_id, 0, [P.Hint(1, [3], 1), P.Hint(9, [0], 2)])
+    assert e.value.code == E.OUT_OF_RANGE
+    assert not h.core.sched.reads
 
 
 def test_a_read_queued_for_an_ended_session_serves_the_next_asker(folder):

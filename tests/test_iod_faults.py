@@ -95,7 +95,7 @@ def test_failed_prefetch_leaves_nothing_and_a_demand_reads_again(daemon, model):
     r = Raw(daemon.socket)
     h = r.hello(model)
     before = r.rt(P.Stats(r.req())).stats["counters"]["read_errors"]
-    r.send(P.Prefetch(r.req(), h.model_id, 0, [9], 0, 1))  # a hint: no reply, no notice
+    r.send(P.Prefetch(r.req(), h.model_id, 0, [P.Hint(0, [9], 1)]))  # a hint: no reply, no notice
     wait_for(lambda: r.rt(P.Stats(r.req())).stats["counters"]["read_errors"] == before + 1,
              what="the prefetch read failed")
     st = r.rt(P.Stats(r.req())).stats

@@ -76,7 +76,7 @@ def test_random_mix_no_leaks(model):
             experts = rnd.sample(range(16), rnd.randint(1, 3))
             op = rnd.random()
             if op < 0.3:
-                r.send(P.Prefetch(r.req(), r.h.model_id, layer, experts, step, step + 1))
+                r.send(P.Prefetch(r.req(), r.h.model_id, step, [P.Hint(layer, experts, step + 1)]))
             elif op < 0.55:
                 msg = P.Demand(r.req(), r.h.model_id, layer, experts, step)
                 r.open.add(msg.req_id)

@@ -155,6 +155,34 @@ def test_unused_prefetch_is_counted(calibrated):
         source.close()
 
 
+def test_a_calls_guesses_go_in_one_message(calibrated):
+    """Guesses for two layers are hinted in one PREFETCH, and the daemon
+    queues the reads of both (depth 1 each: with no measured rate the plan
+    reads the nearest depth only)."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
+        sent = source.counters["prefetch_hints"]
+        store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
+        assert source.counters["prefetch_hints"] == sent + 1
+        assert store.stats["prefetched"] == 4
+        assert store._hinted == {1: {3, 4}, 2: {5, 6}}
+        assert source.stats()["counters"]["prefetches"] == 1
+        # each being read (the core runs in this thread: a read ends when it is
+        # polled), or ready already
+        reading = {k[1:] for k in source.core.sched.reads if k[0] == source.model_id}
+        for layer, e in ((1, 3), (1, 4), (2, 5), (2, 6)):
+            assert (layer, e) in reading or source._is_ready(layer, e)
+    finally:
+        source.close()
+
+
 def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
     """A verify pass of 4 tokens guesses 32 distinct experts (more than twice
     a token's 8): still decode-sized, so its guesses are read ahead; a

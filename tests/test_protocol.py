@@ -48,7 +48,7 @@ def test_kinds_and_codes_are_fixed():
     assert (P.MsgKind.DEMAND, P.MsgKind.DEMAND_OK) == (8, 37)
     assert not {3, 4, 5, 35, 64, 66} & {int(k) for k in P.MsgKind}
     assert P.ErrorCode.INTERNAL == 16 and P.ErrorCode.QUEUE_FULL == 17
-    assert P.ErrorCode.MODEL_CHANGED == 18 and P.PROTOCOL_VERSION == 2
+    assert P.ErrorCode.MODEL_CHANGED == 18 and P.PROTOCOL_VERSION == 3
     assert set(P.MESSAGE_TYPES) == set(P.MsgKind)
     assert P.REQUEST_KINDS < set(P.MsgKind)
 
@@ -86,6 +86,8 @@ DEMAND_OK = {"req_id": 1, "layer": 0, "refs": [REF], "stamps": []}
         ([b"\x25", _body({**DEMAND_OK, "refs": [[1, 2, 3, 4]]})], codec.DecodeError),
         ([b"\x25", _body({**DEMAND_OK, "refs": [{**REF, "x": 1}]})], codec.DecodeError),
         ([b"\x25", _body({**DEMAND_OK, "refs": [{**REF, "slot": "2"}]})], codec.DecodeError),
+        ([b"\x02", _body({"req_id": 1, "model_id": 1, "now": 0,
+                          "hints": [{"layer": 0, "experts": [1, "2"], "due": 1}]})], codec.DecodeError),
         ([b"\x01", b"\xc1"], codec.DecodeError),  # never-used msgpack byte
         ([b"\x01", b"\x00" * (codec.MAX_MESSAGE_BYTES + 1)], codec.TooLarge),
     ],
@@ -120,7 +122,7 @@ def test_reused_packer_leaves_nothing_behind():
     # pack must not leave bytes for the next, and threads must not share it
     import threading
 
-    msg = _sample(P.Prefetch)
+    msg = _sample(P.Demand)
     want = msgpack.packb(codec._plain(msg), use_bin_type=True)
     with pytest.raises(TypeError):
         codec.encode(dataclasses.replace(msg, experts=[1, object()]))

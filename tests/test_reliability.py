@@ -557,7 +557,7 @@ def check_disk_errors(workdir, rounds=3, waiters=3):
             # every demand after the first joined its read (the read has not started)
             attached += stats(d.socket)["counters"]["coalesced"] - before
             r, h = raws[-1], hellos[-1]  # and a hint for it, which hears nothing
-            r.send(P.Prefetch(r.req(), h.model_id, lay.layer, [e], 0, 1))
+            r.send(P.Prefetch(r.req(), h.model_id, 0, [P.Hint(lay.layer, [e], 1)]))
             for i, r in enumerate(raws[: waiters - 1]):
                 err = r.until(1000 + e, 60)
                 assert isinstance(err, P.Error), (kind, e, i, err)
@@ -697,8 +697,8 @@ def _valid_message(rnd, mid, model_dir):
     l, e = rnd.randint(0, 2), rnd.randint(0, 15)
     return rnd.choice([
         lambda: P.Demand(req, mid, l, [e], rnd.randint(0, 10 ** 6)),
-        lambda: P.Prefetch(req, mid, l, rnd.sample(range(16), rnd.randint(1, 4)),
-                           rnd.randint(0, 100), rnd.randint(0, 200)),
+        lambda: P.Prefetch(req, mid, rnd.randint(0, 100),
+                           [P.Hint(l, rnd.sample(range(16), rnd.randint(1, 4)), rnd.randint(0, 200))]),
         lambda: P.Stats(req),
         lambda: P.Hello(req, P.PROTOCOL_VERSION, os.getpid(), str(model_dir),
                         manifest_hash(model_dir), rnd.randint(0, 4), rnd.random() < 0.5),
@@ -842,8 +842,10 @@ def other_user():
     return pw.pw_uid, pw.pw_gid
 
 
-def as_user(uid, gid, fn):
-    """Run ``fn()`` in a child that has become ``uid``; its result (a dict)."""
+def as_user(uid, gid, fn, limit_s=120.0):
+    """Run ``fn()`` in a child that has become ``uid``; its result (a dict).
+    A child that has not answered within ``limit_s`` is killed and the test
+    fails (a fork of a process with threads can hang; the suite must not)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -861,8 +863,17 @@ def as_user(uid, gid, fn):
         finally:
             os._exit(code)
     os.close(w)
-    data = b""
-    while chunk := os.read(r, 65536):
+    data, deadline = b"", time.monotonic() + limit_s
+    while True:
+        ready, _, _ = select.select([r], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            raise AssertionError(f"the child running as uid {uid} did not finish in {limit_s:g} s")
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
         data += chunk
     os.close(r)
     os.waitpid(pid, 0)
