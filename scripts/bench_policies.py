@@ -53,8 +53,8 @@ def record(model_dir, tokens, text=None, stretches=2):
     guesses = []
     prefetch = store.prefetch
 
-    def record_guesses(gs):  # the guesses of the call the trace records next
-        guesses.append((len(store.trace), [[int(l), d, np.unique(np.array(g)[..., :breadth]).tolist()]
+    def record_guesses(gs):  # the guesses of the call the trace recorded last (hinted after its gather)
+        guesses.append((len(store.trace) - 1, [[int(l), d, np.unique(np.array(g)[..., :breadth]).tolist()]
                                            for l, d, g, _, breadth in gs]))
         prefetch(gs)
 

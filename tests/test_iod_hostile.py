@@ -51,8 +51,8 @@ def test_hostile_corpus_gets_typed_errors(daemon, model, tmp_path):
         ([b"\x08", demand(3, now=True)], E.BAD_MESSAGE),
         ([b"\x08", demand(4, experts=[msgpack.ExtType(5, b"boom")])], E.BAD_MESSAGE),
         ([b"\x08", demand(5, experts=list(range(100_000)))], E.TOO_LARGE),
-        ([b"\x02", _b({"req_id": 6, "model_id": mid, "layer": 0, "experts": [[1] * 10] * 10,
-                       "now": 0, "due": 1})], E.BAD_MESSAGE),
+        ([b"\x02", _b({"req_id": 6, "model_id": mid, "now": 0,
+                       "hints": [{"layer": 0, "experts": [[1] * 10] * 10, "due": 1}]})], E.BAD_MESSAGE),
         ([b"\x7f", _b({"req_id": 7})], E.UNKNOWN_KIND),
         ([b"\x20", _b({"req_id": 8, "count": 1})], E.UNKNOWN_KIND),  # a reply kind
         ([b"\x03", _b({"req_id": 9})], E.UNKNOWN_KIND),  # retired: ACQUIRE
@@ -68,8 +68,9 @@ def test_hostile_corpus_gets_typed_errors(daemon, model, tmp_path):
         ([b"\x01", hello(16, manifest_hash="0" * 16)], E.MODEL_CHANGED),
         ([b"\x08", demand(17, layer=99)], E.OUT_OF_RANGE),
         ([b"\x08", demand(18, experts=[16])], E.OUT_OF_RANGE),
-        ([b"\x02", _b({"req_id": 19, "model_id": mid, "layer": 1, "experts": [-1], "now": 0,
-                       "due": 1})], E.OUT_OF_RANGE),
+        ([b"\x02", _b({"req_id": 19, "model_id": mid, "now": 0,
+                       "hints": [{"layer": 0, "experts": [1], "due": 1},
+                                 {"layer": 1, "experts": [-1], "due": 1}]})], E.OUT_OF_RANGE),
         ([b"\x08", demand(20, model_id=mid + 7)], E.BAD_MODEL),
     ]
     for i, (frames, code) in enumerate(corpus):
@@ -133,6 +134,9 @@ def test_fuzzed_frames(daemon, model):
                       "layer": rnd.choice([0, 1, -1, 2 ** 40]),
                       "experts": rnd.choice([[0], [], [-1], [1] * 20, "x", [None]]),
                       "now": rnd.choice([0, -1, 2 ** 40, "x"]), "due": rnd.choice([1, -5]),
+                      "hints": rnd.choice([[], "x", [None], [{"layer": 0, "experts": [0], "due": 1}],
+                                           [{"layer": 2 ** 40, "experts": [-1], "due": -5}],
+                                           [{"layer": 0, "experts": [0]}]]),
                       "version": rnd.choice([1, 2]), "pid": rnd.choice([os.getpid(), 0, 1]),
                       "manifest_hash": rnd.choice([h.manifest_hash, "", "x" * 5000]),
                       "working_set": rnd.choice([1, 0, -1, 10 ** 9]),
