@@ -437,8 +437,9 @@ class ExpertStore:
             by_layer.setdefault((layer, d), []).append(e)
         hints = [(layer, sorted(experts), d) for (layer, d), experts in sorted(by_layer.items())]
         sent = self._call("prefetch_many", hints)
-        for (layer, experts, _), hinted in zip(hints, sent or [None] * len(hints)):
-            hinted = experts if hinted is None else hinted  # sources that do not say
+        if sent is None:  # the daemon was replaced during the call: counted as hinted
+            sent = [experts for _, experts, _ in hints]
+        for (layer, _, _), hinted in zip(hints, sent):
             self._hinted.setdefault(layer, set()).update(hinted)
             self.stats["prefetched"] += len(hinted)
             self.stats["prefetched_bytes"] += len(hinted) * self.layouts[layer].record_bytes
