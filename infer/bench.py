@@ -62,6 +62,9 @@ def build_parser():
     p.add_argument("--hits-first", choices=("auto", "on", "off"), default="auto",
                    help="streamed modes: compute a token's cached experts while its misses are "
                         "read (auto: on the CPU only)")
+    p.add_argument("--predict", choices=("auto", "on", "off"), default="auto",
+                   help="streamed modes with --depth > 0: predict and prefetch on every call, "
+                        "never, or while decode passes measure faster with it (infer.gate)")
     p.add_argument("--warm", action="store_true",
                    help="time a long session's steady state: fill the expert cache, run the "
                         "prompt and text once untimed, then time them again (caches kept)")
@@ -198,6 +201,7 @@ def decode(model, prompt_ids, follow, n, store=None):
         out["aside_calls"] = delta["aside_calls"]
         out["host_s_per_token"] = delta["host_s"] / steps
         out["predict_s_per_token"] = delta["predict_s"] / steps
+        out["gate"] = store.gate.stats()
     return out
 
 
@@ -336,6 +340,7 @@ def worker(args) -> dict:
     from shared.blob import Manifest
     from .belady import belady_misses
     from .budget import staging_arena_bytes
+    from .gate import PredictionGate
     from .mtp import drafts_with_mtp
     from .streaming import copy_mode
 
@@ -373,6 +378,7 @@ def worker(args) -> dict:
         store.depth = depth
         if args.hits_first != "auto":
             store.hits_first = args.hits_first == "on"
+        store.gate = PredictionGate(args.predict)
         if args.read_rate:  # reads are capped: plan prefetch with the cap
             store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
 
@@ -495,6 +501,8 @@ def worker(args) -> dict:
         # copy left out), and of it the prediction's: guesses, plan, hints
         "host_s_per_token": med(r["host_s_per_token"] for r in runs),
         "predict_s_per_token": med(r["predict_s_per_token"] for r in runs),
+        # infer.gate: passes decoded with prediction on and off, and its probes
+        "gate": last["gate"],
         # the reader's view (whole run): reads started as prefetches, and
         # prefetched records evicted from the staging arena unused
         "source_counters": last["source_counters"],
@@ -525,7 +533,7 @@ def _worker_argv(args, mode, out, extra=()):
         argv.append("--free-run")
     if args.warm:
         argv.append("--warm")
-    argv += ["--hits-first", args.hits_first]
+    argv += ["--hits-first", args.hits_first, "--predict", args.predict]
     if args.raw_prompt:
         argv.append("--raw-prompt")
     if args.arena:
@@ -692,9 +700,19 @@ def _prediction_cell(m) -> str:
                     if str(d) in pred else "-" for d in (1, 2, 3))
 
 
+def _host_cell(m) -> str:
+    """Host ms a token (prediction's, and the share of passes that predicted)."""
+    if "host_s_per_token" not in m:
+        return "-"
+    g = m.get("gate") or {}
+    passes = g.get("passes_on", 0) + g.get("passes_off", 0)
+    on = f", {g['passes_on'] / passes:.0%}" if passes and m["predict_s_per_token"] else ""
+    return f"{m['host_s_per_token'] * 1e3:.2f} ({m['predict_s_per_token'] * 1e3:.2f}{on})"
+
+
 def table(report) -> str:
     rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "stall ms/tok",
-             "host ms/tok (predict)", "hit", "misses", "belady", "MB/tok", "recall/prec d1 d2 d3",
+             "host ms/tok (predict, on)", "hit", "misses", "belady", "MB/tok", "recall/prec d1 d2 d3",
              "unused MB", "rss infer", "rss iod")]
     for name, m in report["modes"].items():
         if "skipped" in m or "error" in m:
@@ -706,8 +724,7 @@ def table(report) -> str:
             "/".join(f"{x:.2f}" for x in m["decode_tok_s_runs"]),
             _fmt(m["prefill_tok_s"], ".1f"), _fmt(m["stall_fraction"], ".2f"),
             _fmt(m.get("stall_s_per_token", 0.0) * 1e3, ".2f"),
-            f"{m['host_s_per_token'] * 1e3:.2f} ({m['predict_s_per_token'] * 1e3:.2f})"
-            if "host_s_per_token" in m else "-",
+            _host_cell(m),
             _fmt(m["hit_rate"], ".3f"), str(m["misses"]), _fmt(m["belady_misses"], "d"),
             _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _prediction_cell(m),
             _fmt(m.get("prefetch_unused_bytes", 0) / 1e6, ".2f"), format_size(m["peak_rss_infer"]),

@@ -37,6 +37,7 @@ from shared.source import Batch
 from . import predict
 from .budget import cached_layers, split_cache
 from .client import DaemonDead
+from .gate import PredictionGate
 
 _MX_DTYPES = {
     "uint32": mx.uint32,
@@ -253,7 +254,8 @@ class ExpertStore:
     the guesses worth reading (``plan``). The guesses are the next layers'
     routers applied to that input, or with a ``calibration``
     (``infer.predict``, from ``infer prep --calibrate``) the predictor and
-    breadth it chose per layer and depth.
+    breadth it chose per layer and depth. ``gate`` (``infer.gate``) turns
+    prediction off while decode passes run faster without it.
     """
 
     # rows (tokens) of a decode-sized call: one token, or a verify pass of up
@@ -297,6 +299,7 @@ class ExpertStore:
         # they take milliseconds (iod/resident 0.73 -> 0.84 at 25%); on a GPU
         # they take microseconds, less than the split's own host work
         self.hits_first = mx.default_device() == mx.cpu
+        self.gate = PredictionGate()  # whether prediction pays its host time (measured)
         self.reset_stats()
 
     def reset_stats(self):
@@ -322,6 +325,8 @@ class ExpertStore:
         self._mark = None  # (time, IO seconds) at the end of the last layer call
         self._io_s = 0.0  # seconds spent in fetches (stall and copy)
         self._read = [0.0, 0.0]  # decayed [bytes, seconds] of demand reads
+        self.gate = PredictionGate(self.gate.mode)  # measured afresh
+        self._last_layer = None  # the layer of the last streamed call
 
     def stack(self, layer):
         if layer not in self.stacks:
@@ -464,6 +469,17 @@ class ExpertStore:
         if rate is None or self.layer_s is None:
             return float("inf")
         return depth * self.layer_s * rate / record_bytes
+
+    def begin_call(self, layer, small):
+        """At a streamed call's router, before its guesses: whether this call
+        predicts. A decode-sized call at a layer before the last streamed
+        call's starts a pass, timed for the gate; a larger call's pass is not."""
+        if not small:
+            self.gate.discard()
+        elif self._last_layer is not None and layer < self._last_layer:
+            self.gate.start_pass(time.monotonic())
+        self._last_layer = layer
+        return self.depth > 0 and self.gate.on
 
     def clock(self, small):
         """At a layer's router: the compute since the previous layer call
@@ -758,21 +774,30 @@ class StreamingExperts(nn.Module):
             return self._inner(x, indices)
         # Reading the routed ids forces evaluation up to the router: inherent
         # to streaming, and the only sync per MoE layer. The next layers'
-        # guesses are computed right behind the ids, and read once this
-        # layer's experts are computing (below).
+        # guesses are computed right behind the ids and come back in the
+        # same read (on MLX CUDA each host read of device memory costs);
+        # their reads are planned once this layer's experts compute (below).
         prof, layer = store.profiler, self._layout.layer
         t0 = time.monotonic_ns()
-        guesses = store.predict(layer, x) if store.depth else []
+        small = indices.size // indices.shape[-1] <= store.DECODE_ROWS
+        guesses = store.predict(layer, x) if store.begin_call(layer, small) else []
         t1 = time.monotonic_ns()
-        mx.async_eval(indices, *[g[2] for g in guesses])
-        ids = np.array(indices)
+        if guesses:
+            parts = [indices] + [g[2] for g in guesses]
+            flat = np.array(mx.concatenate([a.reshape(-1).astype(mx.uint32) for a in parts]))
+            ends = np.cumsum([a.size for a in parts])
+            ids = flat[: ends[0]].reshape(indices.shape)
+            guesses = [(g[0], g[1], flat[a:b].reshape(g[2].shape), *g[3:])
+                       for g, a, b in zip(guesses, ends[:-1], ends[1:])]
+        else:
+            ids = np.array(indices)
         t2 = time.monotonic_ns()
         io = store._io_s
         if prof:  # the compute since the previous sync, up to this router
             prof.span("host", layer, t0, t1)
             prof.span("compute", layer, t1, t2)
         unique = sorted(set(ids.ravel().tolist()))
-        store.clock(ids.size // ids.shape[-1] <= store.DECODE_ROWS)
+        store.clock(small)
         # a token's experts in groups (the cached first, the bypassed apart)
         # only where the backend computes each the same in any group
         split = self._split.get(x.dtype)

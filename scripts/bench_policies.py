@@ -39,6 +39,7 @@ def record(model_dir, tokens, text=None, stretches=2):
     import numpy as np
 
     from infer.bench import decode
+    from infer.gate import PredictionGate
     from infer.loader import load_streaming
     from iod.inproc import InprocSource
     from shared.blob import Manifest
@@ -50,6 +51,7 @@ def record(model_dir, tokens, text=None, stretches=2):
     ids = tok.encode(Path(text).read_text(), add_special_tokens=False) if text \
         else heldout_ids(model_dir, tok)
     store.depth = 2
+    store.gate = PredictionGate("on")  # every call's guesses, whatever they cost
     guesses = []
     prefetch = store.prefetch
 

@@ -20,6 +20,7 @@ import numpy as np
 from iod.inproc import InprocSource
 from infer import bench_draft as bd
 from infer.bench import cache_bytes_of, load_resident, reset_store
+from infer.gate import PredictionGate
 from infer.loader import load_streaming
 from infer.run import encode_prompt
 from mlx_lm.models.cache import make_prompt_cache
@@ -68,6 +69,7 @@ def main(argv):
     for hits_first, depth, pipelined in ((True, 0, False), (True, 3, False), (False, 0, False),
                                          (False, 3, False), (True, 3, True), (False, 0, True)):
         store.source = InprocSource(prep, arena=256 << 20, workers=1)
+        store.gate = PredictionGate("on")  # depth 3 predicts on every call
         reset_store(store)
         store.hits_first, store.depth = hits_first, depth
         _, got = steps(model, ids, ref_ids, pipelined)

@@ -60,7 +60,11 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
         assert 0 <= m["predict_s_per_token"] <= m["host_s_per_token"]
         assert (m["predict_s_per_token"] > 0) == (name != "sync")
     assert "resident" in report["modes"] and "host_s_per_token" not in report["modes"]["resident"]
-    assert "host ms/tok (predict)" in r.stdout
+    assert "host ms/tok (predict, on)" in r.stdout
+    # 8 tokens: all within the gate's warm-up, every pass predicted
+    gate = report["modes"]["iod"]["gate"]
+    assert gate["mode"] == "auto" and gate["on"] and gate["passes_off"] == 0
+    assert gate["passes_on"] == 7 and gate["probes"] == []
 
 
 def test_bench_without_hits_first(prep_model, tmp_path):
@@ -76,6 +80,22 @@ def test_bench_without_hits_first(prep_model, tmp_path):
     assert report["tokens_equal"] is True
     sync = report["modes"]["sync"]
     assert sync["hits_first"] is False and sync["hits_first_calls"] == 0 and sync["misses"] > 0
+
+
+def test_bench_without_prediction(prep_model, tmp_path):
+    """--predict off: the streamed modes guess nothing and hint nothing at
+    any depth; the ids stay the same."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep_model("qwen3_moe")),
+                        "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--modes",
+                        "resident,inproc", "--predict", "off", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["tokens_equal"] is True and report["depth"] > 0
+    m = report["modes"]["inproc"]
+    assert m["gate"]["mode"] == "off" and m["gate"]["passes_on"] == 0 and m["gate"]["passes_off"] == 7
+    assert m["predict_s_per_token"] == 0 and m["prefetched_bytes"] == 0 and m["recall"] is None
 
 
 def test_bench_sessions_share_one_daemon(prep_model, tmp_path):

@@ -1,0 +1,104 @@
+"""Whether a session's expert prediction pays for its host time.
+
+Prediction (the next layers' guesses, the prefetch plan, the hint messages)
+costs host time on every streamed layer call and saves stall only where its
+reads land in time. Which wins depends on the machine, the model and the
+budget (on the H200 in the eleventh lease it cost 6.1-6.6 ms a token and
+saved 2.7-3.4 ms of stall), so it is measured, not modelled: decode passes
+run in windows with prediction on and off, in the order on-off, off-on,
+on-off (drift cancels), and the arm whose passes are faster runs until the
+next probe. Prediction stays on unless off is faster by ``MARGIN`` in the
+median of the pairs. Output is the same either way.
+"""
+
+import statistics
+
+WARMUP = 16  # passes with prediction on before the first probe (precision scored, cache warm)
+WINDOW = 8  # passes per window; the first of each is not timed (the other arm's reads land)
+PAIRS = 3  # on/off window pairs per probe
+HOLD = 384  # passes the winner runs before the next probe
+MARGIN = 0.02  # off must be this much faster
+
+
+class PredictionGate:
+    """Decides, pass by pass, whether streamed calls predict.
+
+    ``mode`` is "auto" (measured), "on" or "off". The store calls
+    ``start_pass(now)`` at each decode-sized pass's first streamed layer and
+    ``discard()`` at a larger call (a prefill: its pass is not timed).
+    """
+
+    def __init__(self, mode="auto"):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"prediction gate mode must be auto, on or off, not {mode!r}")
+        self.mode = mode
+        self.on = mode != "off"
+        self.passes = {True: 0, False: 0}  # passes run with prediction on / off
+        self.probes = []  # per probe: {"on_s", "off_s", "on"} (median seconds a pass)
+        self._schedule = []  # arms of the probe's windows still to run
+        self._times = []  # this window's timed pass seconds
+        self._windows = []  # (arm, median seconds a pass) of this probe
+        self._left = WARMUP  # passes before the next probe
+        self._start = None  # the current pass's start time
+        self._in_window = 0  # passes of the current window so far
+
+    def start_pass(self, now):
+        """A decode pass starts at ``now`` (seconds): the previous one ends."""
+        if self._start is not None and self._schedule and self._in_window > 1:
+            self._times.append(now - self._start)
+        self._start = now
+        if self.mode != "auto":
+            self.passes[self.on] += 1
+            return
+        if self._schedule:
+            if self._in_window == WINDOW:
+                self._close_window()
+        elif self._left > 0:
+            self._left -= 1
+        else:  # a probe: on-off, off-on, on-off, ...
+            self._schedule = [arm for i in range(PAIRS) for arm in ((True, False), (False, True))[i % 2]]
+            self._windows = []
+            self._open_window()
+        if self._schedule:
+            self._in_window += 1
+        self.passes[self.on] += 1
+
+    def discard(self):
+        """A call larger than a decode pass: the pass it is in is not timed."""
+        self._start = None
+
+    def _open_window(self):
+        self.on = self._schedule[0]
+        self._times = []
+        self._in_window = 0
+
+    def _close_window(self):
+        arm = self._schedule.pop(0)
+        if self._times:
+            self._windows.append((arm, statistics.median(self._times)))
+        if self._schedule:
+            self._open_window()
+            return
+        self._decide()
+
+    def _decide(self):
+        ratios = []  # off's seconds a pass over on's, per pair of windows
+        w = self._windows
+        for a, b in zip(w[::2], w[1::2]):
+            if a[0] != b[0]:
+                on_s, off_s = (a[1], b[1]) if a[0] else (b[1], a[1])
+                ratios.append(off_s / on_s)
+        # too few timed pairs (prefills cut the windows): prediction stays on
+        self.on = not ratios or statistics.median(ratios) > 1 - MARGIN
+        ons = [s for arm, s in w if arm]
+        offs = [s for arm, s in w if not arm]
+        self.probes.append({"on_s": statistics.median(ons) if ons else None,
+                            "off_s": statistics.median(offs) if offs else None,
+                            "on": self.on})
+        self._left = HOLD
+        self._in_window = 0
+
+    def stats(self):
+        """For `infer bench`: the mode, passes per arm and each probe's figures."""
+        return {"mode": self.mode, "on": self.on, "passes_on": self.passes[True],
+                "passes_off": self.passes[False], "probes": list(self.probes)}
