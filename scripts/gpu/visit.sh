@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|hitsab|ship|tinyspec|overhead|split|probecopy
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|hitsab|ship|tinyspec|overhead|split|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -117,7 +117,19 @@ ab)  # the working tree against an older copy of the code (AB_BASE, a folder hol
     log "round $r $side"
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.bench \
       --model "$W/p-${ARCH:-qwen3_next}" --budget ${BUDGET:-0.25} --modes ${MODES:-iod} --runs ${RUNS:-3} \
-      --max-tokens 48 --prompt @pycode --raw-prompt --json "$OUT/ab-$r-$side.json" 2>&1 | tail -3)
+      --max-tokens ${TOKENS:-48} --prompt @pycode --raw-prompt --json "$OUT/ab-$r-$side.json" 2>&1 | tail -3)
+  done; done ;;
+gate)  # the prediction gate (infer/gate.py): iod with prediction on, measured (auto) and off (beside
+  # sync), long enough for the gate to probe; the order reversed every round
+  for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.25 0.5}; do
+    order="on auto off"; [ $((r % 2)) = 0 ] && order="off auto on"
+    for p in $order; do
+      modes=iod; [ $p = off ] && modes=sync,iod
+      log "round $r budget $b predict $p"
+      timeout ${BENCH_S:-150} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget $b --modes $modes \
+        --predict $p --runs ${RUNS:-2} --max-tokens ${TOKENS:-160} --prompt @pycode --raw-prompt \
+        --json "$OUT/gate-$r-$b-$p.json" 2>&1 | tail -3
+    done
   done; done ;;
 hitsab)  # A/B of a token's cached experts computed while its misses are read (--hits-first on|off)
   log prep-tiny; infer prep --model tests/models/tiny-trained-qwen3_moe --out "$W/tiny" --force --no-progress | tail -1
