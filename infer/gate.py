@@ -34,7 +34,7 @@ class PredictionGate:
         self.mode = mode
         self.on = mode != "off"
         self.passes = {True: 0, False: 0}  # passes run with prediction on / off
-        self.probes = []  # per probe: {"on_s", "off_s", "on"} (median seconds a pass)
+        self.probes = []  # per probe: see stats()
         self._schedule = []  # arms of the probe's windows still to run
         self._times = []  # this window's timed pass seconds
         self._windows = []  # (arm, median seconds a pass) of this probe
@@ -89,16 +89,19 @@ class PredictionGate:
                 on_s, off_s = (a[1], b[1]) if a[0] else (b[1], a[1])
                 ratios.append(off_s / on_s)
         # too few timed pairs (prefills cut the windows): prediction stays on
-        self.on = not ratios or statistics.median(ratios) > 1 - MARGIN
+        ratio = statistics.median(ratios) if ratios else None
+        self.on = ratio is None or ratio > 1 - MARGIN
         ons = [s for arm, s in w if arm]
         offs = [s for arm, s in w if not arm]
         self.probes.append({"on_s": statistics.median(ons) if ons else None,
                             "off_s": statistics.median(offs) if offs else None,
-                            "on": self.on})
+                            "off_over_on": ratio, "pairs": ratios, "on": self.on})
         self._left = HOLD
         self._in_window = 0
 
     def stats(self):
-        """For `infer bench`: the mode, passes per arm and each probe's figures."""
+        """For `infer bench`: the mode, passes per arm and each probe's figures
+        (the median pass of each arm's windows; per pair of windows off's
+        over on's, and their median, which decides)."""
         return {"mode": self.mode, "on": self.on, "passes_on": self.passes[True],
                 "passes_off": self.passes[False], "probes": list(self.probes)}

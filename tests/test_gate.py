@@ -34,7 +34,9 @@ def test_off_wins_when_passes_are_faster_without_prediction():
     probe = arms[gate.WARMUP : gate.WARMUP + 2 * gate.PAIRS * gate.WINDOW]
     assert probe.count(False) == gate.PAIRS * gate.WINDOW  # half the probe's passes without
     assert arms[-10:] == [False] * 10
-    assert g.probes == [{"on_s": pytest.approx(0.010), "off_s": pytest.approx(0.008), "on": False}]
+    assert g.probes == [{"on_s": pytest.approx(0.010), "off_s": pytest.approx(0.008),
+                         "off_over_on": pytest.approx(0.8), "pairs": [pytest.approx(0.8)] * gate.PAIRS,
+                         "on": False}]
     assert g.stats()["passes_off"] == arms.count(False)
 
 
@@ -43,6 +45,19 @@ def test_on_stays_unless_off_is_faster_by_the_margin(off_s):
     g = PredictionGate()
     arms, _ = drive(g, lambda on: 0.010 if on else off_s, PROBE + 10)
     assert arms[-10:] == [True] * 10 and g.probes[-1]["on"]
+
+
+@pytest.mark.parametrize("drift", [1.01, 0.99])
+def test_a_drifting_machine_does_not_turn_prediction_off(drift):
+    """Passes 1% slower (faster) every window whichever the arm: off's
+    windows come after on's in one pair, before them in the next, and the
+    margin covers what the median of an odd number of pairs leaves."""
+    g = PredictionGate()
+    t = 0.0
+    for i in range(PROBE + 10):
+        g.start_pass(t)
+        t += 0.010 * drift ** (i // gate.WINDOW)
+    assert g.on and sorted(g.probes[-1]["pairs"])[0] < 1 < sorted(g.probes[-1]["pairs"])[-1]
 
 
 def test_next_probe_after_the_hold_can_turn_prediction_back_on():
@@ -63,7 +78,7 @@ def test_prefills_cut_out_of_the_timing():
         if i >= gate.WARMUP:
             g.discard()
         t += 0.010 if g.on else 0.001
-    assert g.on and g.probes == [{"on_s": None, "off_s": None, "on": True}]
+    assert g.on and g.probes == [{"on_s": None, "off_s": None, "off_over_on": None, "pairs": [], "on": True}]
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
@@ -103,7 +118,7 @@ def test_slow_prediction_is_turned_off_and_ids_stay_mlx_lms(trained_model, train
         store.predict = slow
         assert [t for t, _ in generate_step(mx.array(ids), streamed, max_tokens=n)] == ref
         stats = store.gate.stats()
-        assert not stats["on"] and stats["probes"][0]["off_s"] < stats["probes"][0]["on_s"]
+        assert not stats["on"] and stats["probes"][0]["off_over_on"] < 1 - gate.MARGIN
         assert stats["passes_off"] >= gate.PAIRS * gate.WINDOW + 15
         assert all(called)  # no guesses while off
         assert len(called) < n * 4  # four MoE layers a pass
