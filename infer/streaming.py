@@ -323,7 +323,7 @@ class ExpertStore:
         self._gate = [[0.0, 0.0] for _ in range(max(self.depth, 3) + 1)]
         self._hinted = {}  # layer -> experts hinted for its next call
         self._mark = None  # (time, IO seconds) at the end of the last layer call
-        self._io_s = 0.0  # seconds spent in fetches (stall and copy)
+        self.io_s = 0.0  # seconds spent in fetches (stall and copy)
         self._read = [0.0, 0.0]  # decayed [bytes, seconds] of demand reads
         self.gate = PredictionGate(self.gate.mode)  # measured afresh
         self._last_layer = None  # the layer of the last streamed call
@@ -487,12 +487,13 @@ class ExpertStore:
         now = time.monotonic()
         if self._mark is not None and small:
             t, io = self._mark
-            dt = max(now - t - (self._io_s - io), 0.0)
+            dt = max(now - t - (self.io_s - io), 0.0)
             a = self.CLOCK_DECAY
             self.layer_s = dt if self.layer_s is None else a * self.layer_s + (1 - a) * dt
 
-    def _end_call(self):
-        self._mark = (time.monotonic(), self._io_s)
+    def end_call(self):
+        """A streamed call's end: the compute up to the next router starts."""
+        self._mark = (time.monotonic(), self.io_s)
 
     def prefetch_pays(self, depth):
         """Whether guesses at ``depth`` are right often enough to be read
@@ -669,7 +670,7 @@ class ExpertStore:
         t2 = time.monotonic_ns()
         self.stats["stall_s"] += (t2 - t0 - copying[0]) / 1e9
         self.stats["copy_s"] += copying[0] / 1e9
-        self._io_s += (t2 - t0) / 1e9
+        self.io_s += (t2 - t0) / 1e9
         nbytes = layout.record_bytes * len(experts)
         # the read rate seen by demand (decayed): arena hits make it look
         # faster, so a profiled disk (set_disk) is preferred
@@ -792,7 +793,7 @@ class StreamingExperts(nn.Module):
         else:
             ids = np.array(indices)
         t2 = time.monotonic_ns()
-        io = store._io_s
+        io = store.io_s
         if prof:  # the compute since the previous sync, up to this router
             prof.span("host", layer, t0, t1)
             prof.span("compute", layer, t1, t2)
@@ -840,9 +841,9 @@ class StreamingExperts(nn.Module):
             t3 = time.monotonic_ns()
             store.prefetch(guesses)
             store.stats["predict_s"] += (t1 - t0 + time.monotonic_ns() - t3) / 1e9
-        store._end_call()
+        store.end_call()
         t4 = time.monotonic_ns()
-        store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store._io_s - io)
+        store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store.io_s - io)
         if prof:  # stall and copy spans lie inside: the summary takes them out
             prof.span("host", layer, t2, t4)
         # a compact or bypassed experts' stack: the graph of y holds it until

@@ -2,7 +2,7 @@
 """Streaming through iod against the resident model, interleaved in one process.
 
 usage: scripts/bench_pair.py PREP [--budget 0.25] [--tokens 96] [--block 4]
-                             [--prompt @pycode] [--json OUT]
+                             [--prompt @pycode] [--predict auto|on|off] [--json OUT]
 
 On a shared, noisy machine two `infer bench` runs a minute apart can differ
 by 20% (this 2-core machine: resident 3.1-4.4 tok/s on the same model), so
@@ -30,6 +30,7 @@ from infer import bench
 from infer.bench_draft import resolve_prompt
 from infer.budget import staging_arena_bytes
 from infer.client import IodClient
+from infer.gate import PredictionGate
 from infer.loader import cast_model, load_streaming
 from infer.run import encode_prompt
 from shared.blob import Manifest
@@ -42,6 +43,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--block", type=int, default=4)
     p.add_argument("--prompt", default="@pycode")
+    p.add_argument("--predict", choices=("auto", "on", "off"), default="auto",
+                   help="the iod side's prediction gate (infer.gate)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.tokens < 2 * args.block or args.block < 1:
@@ -56,12 +59,14 @@ def main(argv=None):
         client = IodClient(args.model, iod=str(daemon[2]))
         cache_bytes = bench.cache_bytes_of(args.budget, manifest, "none", args.model)
         streamed, _, store = load_streaming(args.model, client, cache_bytes, dtype=mx.float32)
+        store.gate = PredictionGate(args.predict)
         result = run(args, tok, {"resident": resident, "iod": streamed}, store)
     finally:
         if client is not None:
             client.close()
         bench._stop_daemon(daemon)
-    result.update({"model": args.model, "budget": args.budget, "cache_bytes": cache_bytes})
+    result.update({"model": args.model, "budget": args.budget, "cache_bytes": cache_bytes,
+                   "predict": args.predict})
     print(f"iod / resident: median {result['ratio_median']:.3f} "
           f"[quartiles {result['ratio_quartiles'][0]:.3f}-{result['ratio_quartiles'][1]:.3f}, "
           f"{len(result['ratios'])} pairs of {args.block} tokens]; resident "
@@ -103,6 +108,7 @@ def run(args, tok, models, store):
         "stall_ms_per_token": store.stats["stall_s"] / n_iod * 1e3,
         "copy_ms_per_token": store.stats["copy_s"] / n_iod * 1e3,
         "ids_equal": ids["resident"] == ids["iod"],
+        "gate": store.gate.stats(),
     }
 
 
