@@ -90,6 +90,7 @@ def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens):
         "bytes_read": store.stats["fetched_bytes"],
         "stall_s": store.stats["stall_s"],
         "prediction": store.prediction_stats(),
+        "gate": store.gate.stats(),  # infer.gate: passes with prediction on and off
     }
 
 

@@ -81,6 +81,12 @@ def test_run_json_matches_mlx_lm_on_embedded_daemon(synth_model, prep_model, run
     assert stats["misses"] > 0 and stats["bytes_read"] > 0
     if budget == "tiny":
         assert stats["misses"] > stats["hits"]
+    # every decode-sized pass predicted or not, as the gate chose: 63 steps,
+    # the prompt's last token and mlx-lm's step past the last token (and
+    # under the tiny budget the prompt's chunks of a few tokens)
+    gate = stats["gate"]
+    passes = gate["passes_on"] + gate["passes_off"]
+    assert gate["mode"] == "auto" and (passes == 65 if budget is None else passes > 65)
     # the private daemon is gone, with its shared memory and socket
     pid = stats["daemon_pid"]
     assert pid > 0 and not shm_entries(pid)
