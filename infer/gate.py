@@ -8,7 +8,8 @@ saved 2.7-3.4 ms of stall), so it is measured, not modelled: decode passes
 run in windows with prediction on and off, in the order on-off, off-on,
 on-off (drift cancels), and the arm whose passes are faster runs until the
 next probe. Prediction stays on unless off is faster by ``MARGIN`` in the
-median of the pairs. Output is the same either way.
+median of the pairs. The winner's run doubles while probes agree. Output
+is the same either way.
 """
 
 import statistics
@@ -16,7 +17,8 @@ import statistics
 WARMUP = 16  # passes with prediction on before the first probe (precision scored, cache warm)
 WINDOW = 8  # passes per window; the first of each is not timed (the other arm's reads land)
 PAIRS = 3  # on/off window pairs per probe
-HOLD = 384  # passes the winner runs before the next probe
+HOLD = 384  # passes the winner runs before the next probe; doubled while probes agree,
+MAX_HOLD = 3072  # up to this (a probe's losing windows then cost <1% of the passes)
 MARGIN = 0.02  # off must be this much faster
 
 
@@ -39,6 +41,7 @@ class PredictionGate:
         self._times = []  # this window's timed pass seconds
         self._windows = []  # (arm, median seconds a pass) of this probe
         self._left = WARMUP  # passes before the next probe
+        self._hold = HOLD  # the winner's run after this probe
         self._start = None  # the current pass's start time
         self._in_window = 0  # passes of the current window so far
 
@@ -90,13 +93,16 @@ class PredictionGate:
                 ratios.append(off_s / on_s)
         # too few timed pairs (prefills cut the windows): prediction stays on
         ratio = statistics.median(ratios) if ratios else None
-        self.on = ratio is None or ratio > 1 - MARGIN
+        on = ratio is None or ratio > 1 - MARGIN
+        agree = self.probes and self.probes[-1]["on"] == on
+        self._hold = min(2 * self._hold, MAX_HOLD) if agree else HOLD
+        self.on = on
         ons = [s for arm, s in w if arm]
         offs = [s for arm, s in w if not arm]
         self.probes.append({"on_s": statistics.median(ons) if ons else None,
                             "off_s": statistics.median(offs) if offs else None,
                             "off_over_on": ratio, "pairs": ratios, "on": self.on})
-        self._left = HOLD
+        self._left = self._hold - 1  # this pass is the winner's first
         self._in_window = 0
 
     def stats(self):

@@ -69,6 +69,22 @@ def test_next_probe_after_the_hold_can_turn_prediction_back_on():
     assert g.on and len(g.probes) == 2
 
 
+def test_the_winners_run_doubles_while_probes_agree():
+    """Off wins every probe: the passes between probes go 384, 768, 1536, ..."""
+    g = PredictionGate()
+    decided, t = [], 0.0
+    for i in range(12000):  # the passes at which a probe decides
+        n = len(g.probes)
+        g.start_pass(t)
+        t += 0.010 if g.on else 0.005
+        if len(g.probes) > n:
+            decided.append(i)
+    probe = 2 * gate.PAIRS * gate.WINDOW
+    holds = [b - a - probe for a, b in zip(decided, decided[1:])]
+    assert holds[:5] == [gate.HOLD, 2 * gate.HOLD, 4 * gate.HOLD, gate.MAX_HOLD, gate.MAX_HOLD]
+    assert all(not p["on"] for p in g.probes)
+
+
 def test_prefills_cut_out_of_the_timing():
     """A prefill in every pass of the probe: nothing timed, prediction stays on."""
     g = PredictionGate()
