@@ -64,7 +64,8 @@ def build_parser():
                         "read (auto: on the CPU only)")
     p.add_argument("--predict", choices=("auto", "on", "off"), default="auto",
                    help="streamed modes with --depth > 0: predict and prefetch on every call, "
-                        "never, or while decode passes measure faster with it (infer.gate)")
+                        "never, or while decode passes measure faster with it (infer.gate: "
+                        "its first decision is in force from the 65th decode pass)")
     p.add_argument("--warm", action="store_true",
                    help="time a long session's steady state: fill the expert cache, run the "
                         "prompt and text once untimed, then time them again (caches kept)")
@@ -206,9 +207,13 @@ def decode(model, prompt_ids, follow, n, store=None):
 
 
 def reset_store(store, keep_cache=False):
-    """Zeroed figures, same modules and routers; a cold cache unless ``keep_cache``."""
+    """Zeroed figures, same modules and routers; a cold cache and a fresh
+    prediction gate unless ``keep_cache`` (a long session's steady state)."""
     if not keep_cache:
+        from .gate import PredictionGate
+
         store.stacks = {}
+        store.gate = PredictionGate(store.gate.mode)
     store.reset_stats()
     store.trace = []
 

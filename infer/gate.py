@@ -3,13 +3,14 @@
 Prediction (the next layers' guesses, the prefetch plan, the hint messages)
 costs host time on every streamed layer call and saves stall only where its
 reads land in time. Which wins depends on the machine, the model and the
-budget (on the H200 in the eleventh lease it cost 6.1-6.6 ms a token and
-saved 2.7-3.4 ms of stall), so it is measured, not modelled: decode passes
-run in windows with prediction on and off, in the order on-off, off-on,
-on-off (drift cancels), and the arm whose passes are faster runs until the
-next probe. Prediction stays on unless off is faster by ``MARGIN`` in the
-median of the pairs. The winner's run doubles while probes agree. Output
-is the same either way.
+budget (docs/benchmarks.md: on the lent H200 it lost, on this project's CPU
+it won), so it is measured, not modelled: decode passes run in windows with
+prediction on and off, in the order on-off, off-on, on-off (drift
+cancels), and the arm whose passes are faster runs until the next probe.
+Only one-token passes are timed (a verify pass or a prompt chunk is other
+work). Prediction stays on unless off is faster by ``MARGIN`` in the median
+of the pairs. The winner's run doubles while probes agree. Output is the
+same either way.
 """
 
 import statistics
@@ -26,8 +27,9 @@ class PredictionGate:
     """Decides, pass by pass, whether streamed calls predict.
 
     ``mode`` is "auto" (measured), "on" or "off". The store calls
-    ``start_pass(now)`` at each decode-sized pass's first streamed layer and
-    ``discard()`` at a larger call (a prefill: its pass is not timed).
+    ``start_pass(now, timed)`` at each decode-sized pass's first streamed
+    layer (``timed``: a one-token pass) and ``discard()`` at a larger call
+    (a prefill: the pass it is in is not timed).
     """
 
     def __init__(self, mode="auto"):
@@ -39,17 +41,17 @@ class PredictionGate:
         self.probes = []  # per probe: see stats()
         self._schedule = []  # arms of the probe's windows still to run
         self._times = []  # this window's timed pass seconds
-        self._windows = []  # (arm, median seconds a pass) of this probe
+        self._windows = []  # (arm, median seconds a pass or None) of this probe
         self._left = WARMUP  # passes before the next probe
         self._hold = HOLD  # the winner's run after this probe
-        self._start = None  # the current pass's start time
+        self._start = None  # the current pass's start time, None if it is not timed
         self._in_window = 0  # passes of the current window so far
 
-    def start_pass(self, now):
+    def start_pass(self, now, timed=True):
         """A decode pass starts at ``now`` (seconds): the previous one ends."""
         if self._start is not None and self._schedule and self._in_window > 1:
             self._times.append(now - self._start)
-        self._start = now
+        self._start = now if timed else None
         if self.mode != "auto":
             self.passes[self.on] += 1
             return
@@ -77,33 +79,31 @@ class PredictionGate:
 
     def _close_window(self):
         arm = self._schedule.pop(0)
-        if self._times:
-            self._windows.append((arm, statistics.median(self._times)))
+        self._windows.append((arm, statistics.median(self._times) if self._times else None))
         if self._schedule:
             self._open_window()
             return
         self._decide()
 
     def _decide(self):
-        ratios = []  # off's seconds a pass over on's, per pair of windows
+        ratios = []  # off's seconds a pass over on's, per pair of windows both timed
         w = self._windows
         for a, b in zip(w[::2], w[1::2]):
-            if a[0] != b[0]:
+            if a[1] is not None and b[1] is not None:
                 on_s, off_s = (a[1], b[1]) if a[0] else (b[1], a[1])
                 ratios.append(off_s / on_s)
-        # too few timed pairs (prefills cut the windows): prediction stays on
+        # no pair timed (prefills, verify passes): prediction stays on, untested
         ratio = statistics.median(ratios) if ratios else None
         on = ratio is None or ratio > 1 - MARGIN
-        agree = self.probes and self.probes[-1]["on"] == on
+        agree = ratio is not None and self.probes and self.probes[-1]["on"] == on
         self._hold = min(2 * self._hold, MAX_HOLD) if agree else HOLD
         self.on = on
-        ons = [s for arm, s in w if arm]
-        offs = [s for arm, s in w if not arm]
+        ons = [s for arm, s in w if arm and s is not None]
+        offs = [s for arm, s in w if not arm and s is not None]
         self.probes.append({"on_s": statistics.median(ons) if ons else None,
                             "off_s": statistics.median(offs) if offs else None,
                             "off_over_on": ratio, "pairs": ratios, "on": self.on})
         self._left = self._hold - 1  # this pass is the winner's first
-        self._in_window = 0
 
     def stats(self):
         """For `infer bench`: the mode, passes per arm and each probe's figures

@@ -264,7 +264,7 @@ class ExpertStore:
     DECODE_ROWS = 8
     MIN_PRECISION = 0.25  # of guesses, for prefetch to go on (see prefetch_pays)
     PREFETCH_WARMUP = 64  # guessed experts scored before the precision decides
-    GATE_DECAY = 0.99  # per scored guess set: the gate follows the last ~100
+    PRECISION_DECAY = 0.99  # per scored guess set: prefetch_pays follows the last ~100
     CLOCK_DECAY = 0.9  # per decode-sized layer call: the compute time follows the last ~10
 
     def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None, cached=None,
@@ -320,12 +320,11 @@ class ExpertStore:
         # per depth: decayed [right, guessed] of prefetchable (decode-sized)
         # guesses, which decide whether prefetch pays (prefill's are left out:
         # guessing most of a layer is always right and says nothing)
-        self._gate = [[0.0, 0.0] for _ in range(max(self.depth, 3) + 1)]
+        self._precision = [[0.0, 0.0] for _ in range(max(self.depth, 3) + 1)]
         self._hinted = {}  # layer -> experts hinted for its next call
         self._mark = None  # (time, IO seconds) at the end of the last layer call
         self.io_s = 0.0  # seconds spent in fetches (stall and copy)
         self._read = [0.0, 0.0]  # decayed [bytes, seconds] of demand reads
-        self.gate = PredictionGate(self.gate.mode)  # measured afresh
         self._last_layer = None  # the layer of the last streamed call
 
     def stack(self, layer):
@@ -414,7 +413,7 @@ class ExpertStore:
             self._predicted.setdefault(layer, {})[d] = (set(rows[:, :breadth].ravel().tolist()), small)
             if not small or not self.prefetch_pays(d):
                 continue  # still scored: prefetch resumes if guesses improve
-            right, guessed = self._gate[d] if d < len(self._gate) else (1.0, 1.0)
+            right, guessed = self._precision[d] if d < len(self._precision) else (1.0, 1.0)
             online = right / guessed if guessed >= self.PREFETCH_WARMUP else 1.0
             stack = self.stack(layer)
             hinted = self._hinted.get(layer, set())
@@ -470,16 +469,20 @@ class ExpertStore:
             return float("inf")
         return depth * self.layer_s * rate / record_bytes
 
-    def begin_call(self, layer, small):
+    def begin_call(self, layer, rows):
         """At a streamed call's router, before its guesses: whether this call
-        predicts. A decode-sized call at a layer before the last streamed
-        call's starts a pass, timed for the gate; a larger call's pass is not."""
-        if not small:
+        of ``rows`` tokens predicts. A decode-sized call at a layer before the
+        last streamed call's starts a pass for the gate (timed if one token);
+        a larger call's pass is not timed. (A model with one streamed layer
+        starts no pass: its gate stays as it began.)"""
+        if self.depth == 0:
+            return False
+        if rows > self.DECODE_ROWS:
             self.gate.discard()
         elif self._last_layer is not None and layer < self._last_layer:
-            self.gate.start_pass(time.monotonic())
+            self.gate.start_pass(time.monotonic(), timed=rows == 1)
         self._last_layer = layer
-        return self.depth > 0 and self.gate.on
+        return self.gate.on
 
     def clock(self, small):
         """At a layer's router: the compute since the previous layer call
@@ -501,10 +504,10 @@ class ExpertStore:
         a demand read's turn), a right one saves a stall. Measured, not
         assumed: prefetch runs until ``PREFETCH_WARMUP`` guesses are scored,
         then only while their recent precision (decode-sized guesses, decayed
-        by ``GATE_DECAY`` per guess) is at least ``MIN_PRECISION``."""
-        if depth >= len(self._gate):
+        by ``PRECISION_DECAY`` per guess) is at least ``MIN_PRECISION``."""
+        if depth >= len(self._precision):
             return True
-        right, guessed = self._gate[depth]
+        right, guessed = self._precision[depth]
         return guessed < self.PREFETCH_WARMUP or right >= self.MIN_PRECISION * guessed
 
     def _score(self, layer, actual):
@@ -516,10 +519,10 @@ class ExpertStore:
             row[0] += right
             row[1] += len(guess)
             row[2] += len(actual)
-            if small and d < len(self._gate):
-                g = self._gate[d]
-                g[0] = g[0] * self.GATE_DECAY + right
-                g[1] = g[1] * self.GATE_DECAY + len(guess)
+            if small and d < len(self._precision):
+                g = self._precision[d]
+                g[0] = g[0] * self.PRECISION_DECAY + right
+                g[1] = g[1] * self.PRECISION_DECAY + len(guess)
 
     def _count_prefetch(self, layer, actual):
         """Hinted records this call did not use: read (or queued) for nothing."""
@@ -780,8 +783,8 @@ class StreamingExperts(nn.Module):
         # their reads are planned once this layer's experts compute (below).
         prof, layer = store.profiler, self._layout.layer
         t0 = time.monotonic_ns()
-        small = indices.size // indices.shape[-1] <= store.DECODE_ROWS
-        guesses = store.predict(layer, x) if store.begin_call(layer, small) else []
+        rows = indices.size // indices.shape[-1]
+        guesses = store.predict(layer, x) if store.begin_call(layer, rows) else []
         t1 = time.monotonic_ns()
         if guesses:
             parts = [indices] + [g[2] for g in guesses]
@@ -798,7 +801,7 @@ class StreamingExperts(nn.Module):
             prof.span("host", layer, t0, t1)
             prof.span("compute", layer, t1, t2)
         unique = sorted(set(ids.ravel().tolist()))
-        store.clock(small)
+        store.clock(rows <= store.DECODE_ROWS)
         # a token's experts in groups (the cached first, the bypassed apart)
         # only where the backend computes each the same in any group
         split = self._split.get(x.dtype)

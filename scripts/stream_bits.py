@@ -66,10 +66,10 @@ def main(argv):
     print("device", mx.default_device(), "prompt", len(ids), "tokens", TOKENS)
     manifest = Manifest.load(prep)
     model, _, store = load_streaming(prep, None, cache_bytes_of(budget, manifest))
+    store.gate = PredictionGate("on")  # depth 3 predicts on every call (kept by reset_store)
     for hits_first, depth, pipelined in ((True, 0, False), (True, 3, False), (False, 0, False),
                                          (False, 3, False), (True, 3, True), (False, 0, True)):
         store.source = InprocSource(prep, arena=256 << 20, workers=1)
-        store.gate = PredictionGate("on")  # depth 3 predicts on every call
         reset_store(store)
         store.hits_first, store.depth = hits_first, depth
         _, got = steps(model, ids, ref_ids, pipelined)

@@ -65,7 +65,8 @@ def test_next_probe_after_the_hold_can_turn_prediction_back_on():
     _, t = drive(g, lambda on: 0.010 if on else 0.005, PROBE)
     assert not g.on
     arms, _ = drive(g, lambda on: 0.005 if on else 0.010, gate.HOLD + 2 * gate.PAIRS * gate.WINDOW + 5, t)
-    assert arms[: gate.HOLD - 1] == [False] * (gate.HOLD - 1)
+    # the deciding pass (the last of the first drive) was the hold's first
+    assert arms[: gate.HOLD - 1] == [False] * (gate.HOLD - 1) and arms[gate.HOLD - 1]
     assert g.on and len(g.probes) == 2
 
 
@@ -95,6 +96,34 @@ def test_prefills_cut_out_of_the_timing():
             g.discard()
         t += 0.010 if g.on else 0.001
     assert g.on and g.probes == [{"on_s": None, "off_s": None, "off_over_on": None, "pairs": [], "on": True}]
+
+
+def test_a_window_cut_by_prefills_leaves_the_other_pairs_paired():
+    """The probe's first window (on) untimed: its pair is dropped, and the
+    next two pairs (off-on, on-off) still compare neighbours and decide."""
+    g = PredictionGate()
+    t = 0.0
+    for i in range(PROBE + 10):
+        g.start_pass(t)
+        if gate.WARMUP <= i < gate.WARMUP + gate.WINDOW:
+            g.discard()
+        t += 0.010 if g.on else 0.008
+    assert not g.on and g.probes[0]["pairs"] == [pytest.approx(0.8)] * (gate.PAIRS - 1)
+
+
+def test_only_one_token_passes_are_timed():
+    """Verify passes (several tokens) are other work: a probe of them alone
+    decides nothing, prediction stays on, and the hold does not grow."""
+    g = PredictionGate()
+    decided, t = [], 0.0
+    for i in range(2000):
+        n = len(g.probes)
+        g.start_pass(t, timed=False)
+        t += 0.010 if g.on else 0.001
+        if len(g.probes) > n:
+            decided.append(i)
+    assert g.on and all(p["pairs"] == [] and p["on"] for p in g.probes)
+    assert decided[1] - decided[0] == decided[2] - decided[1] == gate.HOLD + 2 * gate.PAIRS * gate.WINDOW
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
