@@ -67,16 +67,21 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
     assert gate["passes_on"] == 7 and gate["probes"] == []
 
 
+def short_bench(prep, tmp_path, modes, *flags):
+    """`infer bench` of 8 tokens, one run, float32: its JSON report."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep),
+                        "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--modes", modes,
+                        *flags, "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())
+
+
 def test_bench_without_hits_first(prep_model, tmp_path):
     """--hits-first off: no call computes its cached experts before its
     reads; the ids stay the same."""
-    out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep_model("qwen3_moe")),
-                        "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--modes",
-                        "resident,sync", "--hits-first", "off", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(out.read_text())
+    report = short_bench(prep_model("qwen3_moe"), tmp_path, "resident,sync", "--hits-first", "off")
     assert report["tokens_equal"] is True
     sync = report["modes"]["sync"]
     assert sync["hits_first"] is False and sync["hits_first_calls"] == 0 and sync["misses"] > 0
@@ -85,13 +90,7 @@ def test_bench_without_hits_first(prep_model, tmp_path):
 def test_bench_without_prediction(prep_model, tmp_path):
     """--predict off: the streamed modes guess nothing and hint nothing at
     any depth; the ids stay the same."""
-    out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "infer.cli", "bench", "--model", str(prep_model("qwen3_moe")),
-                        "--runs", "1", "--max-tokens", "8", "--dtype", "float32", "--modes",
-                        "resident,inproc", "--predict", "off", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(out.read_text())
+    report = short_bench(prep_model("qwen3_moe"), tmp_path, "resident,inproc", "--predict", "off")
     assert report["tokens_equal"] is True and report["depth"] > 0
     m = report["modes"]["inproc"]
     assert m["gate"]["mode"] == "off" and m["gate"]["passes_on"] == 0 and m["gate"]["passes_off"] == 7
