@@ -95,14 +95,25 @@ def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens):
 
 
 def stats_lines(s):
-    """mlx-lm's end-of-run block, then the expert figures."""
-    return [
+    """mlx-lm's end-of-run block, then the expert figures (and the prediction
+    gate's, once it has passes to tell of)."""
+    lines = [
         f"Prompt: {s['prompt_tokens']} tokens, {s['prompt_tps']:.3f} tokens-per-sec",
         f"Generation: {s['generation_tokens']} tokens, {s['decode_tps']:.3f} tokens-per-sec",
         f"Peak memory: {s['peak_mlx_memory'] / 1e9:.3f} GB",
         f"Experts: {s['hits']} hits, {s['misses']} misses, {format_size(s['bytes_read'])} read, "
         f"{s['stall_s']:.3f} s stalled; peak RSS {s['peak_rss'] / 1e9:.3f} GB",
     ]
+    g = s.get("gate") or {}
+    passes = g.get("passes_on", 0) + g.get("passes_off", 0)
+    if passes:
+        line = f"Prediction: on in {g['passes_on']} of {passes} decode passes"
+        ratio = g["probes"][-1]["off_over_on"] if g["probes"] else None
+        if ratio:
+            line += (f"; the last probe left it {'on' if g['on'] else 'off'} "
+                     f"(a pass without it took {ratio:.2f}x the time of one with it)")
+        lines.append(line)
+    return lines
 
 
 def cache_bytes_for(budget, model_dir, manifest, private_daemon=True):

@@ -15,7 +15,7 @@ from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 
 import infer
-from infer.run import encode_prompt
+from infer.run import encode_prompt, stats_lines
 from tests.iod_fixtures import LiveDaemon, shm_entries, short_dir
 
 PROMPT = "Write a list of colors: red, green, blue"
@@ -110,12 +110,26 @@ def test_run_prints_text_and_stats_in_mlx_lm_shape(prep_model, run_dir):
     assert re.fullmatch(r"Peak memory: [\d.]+ GB", tail[2]), tail
     assert re.fullmatch(r"Experts: \d+ hits, \d+ misses, .+ read, [\d.]+ s stalled; peak RSS [\d.]+ GB",
                         tail[3]), tail
+    # within the gate's warm-up: every pass predicted (the prompt's last token, 7 steps, one past)
+    assert tail[4] == "Prediction: on in 9 of 9 decode passes", tail
     assert r.stderr == ""
 
     quiet = run_cli(["--model", prep, "-p", PROMPT, "-m", "8", "--verbose", "False"])
     assert quiet.returncode == 0, quiet.stderr
     text = "\n".join(lines[1 : lines.index("==========", 1)])
     assert quiet.stdout.rstrip("\n") == text.rstrip("\n")
+
+
+def test_stats_tell_what_the_prediction_gate_decided():
+    base = {"prompt_tokens": 5, "prompt_tps": 1.0, "generation_tokens": 9, "decode_tps": 1.0,
+            "peak_mlx_memory": 0, "hits": 1, "misses": 2, "bytes_read": 0, "stall_s": 0.0,
+            "peak_rss": 0}
+    probe = {"on_s": 0.03, "off_s": 0.02, "off_over_on": 0.8, "pairs": [0.8] * 3, "on": False}
+    gate = {"mode": "auto", "on": False, "passes_on": 40, "passes_off": 119, "probes": [probe]}
+    assert stats_lines({**base, "gate": gate})[-1] == (
+        "Prediction: on in 40 of 159 decode passes; the last probe left it off "
+        "(a pass without it took 0.80x the time of one with it)")
+    assert stats_lines(base)[-1].startswith("Experts: ")  # no gate (depth 0), no line
 
 
 def test_python_api_works_with_mlx_lm_generate(synth_model, prep_model, run_dir):
