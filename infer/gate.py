@@ -95,7 +95,9 @@ class PredictionGate:
         # no pair timed (prefills, verify passes): prediction stays on, untested
         ratio = statistics.median(ratios) if ratios else None
         on = ratio is None or ratio > 1 - MARGIN
-        agree = ratio is not None and self.probes and self.probes[-1]["on"] == on
+        last = self.probes[-1] if self.probes else None
+        agree = ratio is not None and last is not None and last["off_over_on"] is not None \
+            and last["on"] == on  # two measured verdicts alike
         self._hold = min(2 * self._hold, MAX_HOLD) if agree else HOLD
         self.on = on
         ons = [s for arm, s in w if arm and s is not None]
@@ -106,7 +108,7 @@ class PredictionGate:
         self._left = self._hold - 1  # this pass is the winner's first
 
     def stats(self):
-        """For `infer bench`: the mode, passes per arm and each probe's figures
+        """For `infer bench` and `infer run --json`: the mode, passes per arm and each probe's figures
         (the median pass of each arm's windows; per pair of windows off's
         over on's, and their median, which decides)."""
         return {"mode": self.mode, "on": self.on, "passes_on": self.passes[True],

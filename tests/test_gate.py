@@ -112,18 +112,22 @@ def test_a_window_cut_by_prefills_leaves_the_other_pairs_paired():
 
 
 def test_only_one_token_passes_are_timed():
-    """Verify passes (several tokens) are other work: a probe of them alone
-    decides nothing, prediction stays on, and the hold does not grow."""
+    """Verify passes (several tokens) are other work: probes of them alone
+    decide nothing, prediction stays on, and the hold does not grow, not
+    even at the first measured probe after them (alike, but untested)."""
     g = PredictionGate()
     decided, t = [], 0.0
-    for i in range(2000):
+    probe = 2 * gate.PAIRS * gate.WINDOW
+    for i in range(gate.WARMUP + 3 * (gate.HOLD + probe) + 2 * gate.HOLD):
         n = len(g.probes)
-        g.start_pass(t, timed=False)
-        t += 0.010 if g.on else 0.001
+        g.start_pass(t, timed=i > gate.WARMUP + 2 * probe + gate.HOLD)  # from after the 2nd probe
+        t += 0.005 if g.on else 0.010  # one-token passes: faster with prediction
         if len(g.probes) > n:
             decided.append(i)
-    assert g.on and all(p["pairs"] == [] and p["on"] for p in g.probes)
-    assert decided[1] - decided[0] == decided[2] - decided[1] == gate.HOLD + 2 * gate.PAIRS * gate.WINDOW
+    untimed = [p for p in g.probes if not p["pairs"]]
+    assert g.on and all(p["on"] for p in g.probes) and len(untimed) == 2 and len(g.probes) == 4
+    assert g.probes[2]["off_over_on"] == pytest.approx(2.0)
+    assert [b - a - probe for a, b in zip(decided, decided[1:])] == [gate.HOLD] * 3
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
