@@ -307,6 +307,10 @@ class ExpertStore:
         self.stats = {"hits": 0, "misses": 0, "fetched_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
                       "prefetched": 0, "prefetched_bytes": 0, "prefetch_used": 0,
                       "prefetch_unused": 0, "prefetch_unused_bytes": 0,
+                      # a decode-sized call's misses by how they were found: read
+                      # ahead and ready in the arena, hinted and still being read
+                      # (a late prefetch), or not hinted (read on demand)
+                      "miss_ready": 0, "miss_late": 0, "miss_cold": 0,
                       "hits_first": 0,  # calls that computed cached experts while reading
                       "aside_calls": 0,  # one-token calls that computed bypassed experts apart
                       "whole_calls": 0,  # calls of whole layers: the resident call, no sync
@@ -525,13 +529,26 @@ class ExpertStore:
                 g[1] = g[1] * self.PRECISION_DECAY + len(guess)
 
     def _count_prefetch(self, layer, actual):
-        """Hinted records this call did not use: read (or queued) for nothing."""
+        """Hinted records this call did not use: read (or queued) for nothing.
+        Returns the experts hinted for this call."""
         hinted = self._hinted.pop(layer, None)
         if hinted:
             unused = len(hinted - actual)
             self.stats["prefetch_used"] += len(hinted) - unused
             self.stats["prefetch_unused"] += unused
             self.stats["prefetch_unused_bytes"] += unused * self.layouts[layer].record_bytes
+        return hinted
+
+    def _count_misses(self, layer, missing, hinted):
+        """A call's misses: ready in the arena (read ahead, or left by an
+        earlier read), hinted but not read yet (late), or never hinted."""
+        not_ready = getattr(self.source, "not_ready", None)
+        if not_ready is None:
+            return
+        waiting = set(not_ready(layer, missing))
+        self.stats["miss_ready"] += len(missing) - len(waiting)
+        self.stats["miss_late"] += len(waiting & hinted)
+        self.stats["miss_cold"] += len(waiting - hinted)
 
     def prediction_stats(self):
         """Recall and precision of the prediction, per depth."""
@@ -544,9 +561,10 @@ class ExpertStore:
                 }
         return out
 
-    def gather(self, layer, wanted, split=False):
+    def gather(self, layer, wanted, split=False, decode=False):
         """(arrays, positions, aside): tensors holding the wanted experts and
-        each expert's position in them. Experts the stack does not admit
+        each expert's position in them; ``decode``: a decode-sized call, whose
+        misses are counted by how they are found (``_count_misses``). Experts the stack does not admit
         (``LayerStack.assign``) are read into a stack of their own: with
         ``split`` (a one-token call, which computes them apart) ``aside`` is
         (its arrays, the set of those experts) and their positions are in
@@ -557,8 +575,7 @@ class ExpertStore:
             self.trace.append((layer, tuple(wanted)))
         if self._predicted:
             self._score(layer, set(wanted))
-        if self._hinted:
-            self._count_prefetch(layer, set(wanted))
+        hinted = self._count_prefetch(layer, set(wanted)) if self._hinted else None
         if len(wanted) <= 2 * self.routers.get(layer, (None, len(wanted)))[1]:
             self._recent[layer] = wanted
         stack = self.stack(layer)
@@ -571,6 +588,8 @@ class ExpertStore:
                 stack.touch(e)
         if not missing:
             return stack.arrays, [stack.position[e] for e in wanted], None
+        if decode:
+            self._count_misses(layer, missing, hinted or set())
         places = stack.assign(missing, set(wanted))
         bypassed = [e for e in missing if places[e] is None]
         if not bypassed:
@@ -809,7 +828,8 @@ class StreamingExperts(nn.Module):
             split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
         early = self._hits_first(x, ids, unique, split)
         one_token = ids.size == ids.shape[-1]
-        arrays, positions, aside = store.gather(layer, unique, split=split and one_token)
+        arrays, positions, aside = store.gather(layer, unique, split=split and one_token,
+                                              decode=rows <= store.DECODE_ROWS)
         self._bind(arrays)
         lut = self._lut  # entries of other experts are stale, and unread
         lut[unique] = positions

@@ -4,6 +4,7 @@ residual, the calibration round-trips through `infer prep --calibrate`,
 greedy ids stay mlx-lm's with prediction and prefetch on, and prefetched
 records the call did not use are counted."""
 
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -122,6 +123,8 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
         assert greedy(streamed, ids) == ref
         assert store.stats["prefetched"] > 0
         assert store.stats["prefetch_used"] + store.stats["prefetch_unused"] <= store.stats["prefetched"]
+        split = sum(store.stats["miss_" + k] for k in ("ready", "late", "cold"))
+        assert 0 < split <= store.stats["misses"]
         assert store.prediction_stats()[1]["recall"] > 0.5
         assert source.stats()["counters"]["prefetches"] > 0
     finally:
@@ -151,6 +154,37 @@ def test_unused_prefetch_is_counted(calibrated):
         # a call without hints counts nothing more
         store.gather(1, np.array([4]))
         assert store.stats["prefetch_unused"] == 2
+    finally:
+        source.close()
+
+
+def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
+    """A decode call's misses: read ahead and ready (hinted, read in time),
+    hinted and still being read (late), not hinted (cold); a prefill's
+    misses are not counted."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
+        store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
+        # the in-process core ends a read when it is polled: layer 1's are being read
+        store.gather(1, np.array([3, 9]), decode=True)
+        assert {k: store.stats["miss_" + k] for k in ("ready", "late", "cold")} == \
+            {"ready": 0, "late": 1, "cold": 1}
+        deadline = time.monotonic() + 10
+        while not (source._is_ready(2, 5) and source._is_ready(2, 6)):
+            assert time.monotonic() < deadline
+            source._poll()
+        store.gather(2, np.array([5, 7]), decode=True)
+        assert {k: store.stats["miss_" + k] for k in ("ready", "late", "cold")} == \
+            {"ready": 1, "late": 1, "cold": 2}
+        store.gather(3, np.arange(16))
+        assert store.stats["miss_cold"] == 2
     finally:
         source.close()
 

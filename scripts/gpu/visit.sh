@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|hitsab|ship|tinyspec|overhead|split|probecopy
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -182,6 +182,9 @@ split)  # the profile's split of a decode token, and the per-layer cost in bench
     --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3; }
   log "kernels"
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
+syncprobe)  # what a streamed token's per-layer syncs cost by themselves (scripts/gpu/sync_probe.py)
+  log sync; timeout ${PROBE_S:-150} python3 scripts/gpu/sync_probe.py "$W/p-${ARCH:-qwen3_next}" \
+    --tokens ${TOKENS:-96} --json "$OUT/sync-${ARCH:-qwen3_next}.json" | tail -14 ;;
 probecopy)  # the CUDA copies and the kernels of small verify passes, apart (scripts/gpu/copy_probe.py)
   log copy; timeout ${PROBE_S:-150} python3 -X faulthandler scripts/gpu/copy_probe.py --json "$OUT/copy.json" | tail -60 ;;
 esac
