@@ -438,7 +438,9 @@ class ExpertStore:
         if not candidates:
             return
         rec = self.layouts[candidates[0][2]].record_bytes
-        pending = sum(len(h) for h in self._hinted.values())
+        # hints outstanding for the layers planned (the calling layer's own
+        # are being used now, and may not be counted off yet)
+        pending = sum(len(self._hinted.get(g[0], ())) for g in guesses)
         chosen = predict.plan(candidates, self.reads_in, rec, pending)
         by_layer = {}
         for _, d, layer, e in chosen:
@@ -799,7 +801,8 @@ class StreamingExperts(nn.Module):
         # to streaming, and the only sync per MoE layer. The next layers'
         # guesses are computed right behind the ids and come back in the
         # same read (on MLX CUDA each host read of device memory costs);
-        # their reads are planned once this layer's experts compute (below).
+        # their reads are planned while this call's misses are read, or,
+        # with none, while its experts compute (below).
         prof, layer = store.profiler, self._layout.layer
         t0 = time.monotonic_ns()
         rows = indices.size // indices.shape[-1]
@@ -827,6 +830,19 @@ class StreamingExperts(nn.Module):
         if split is None:
             split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
         early = self._hits_first(x, ids, unique, split)
+        if guesses:
+            store.stats["predict_s"] += (t1 - t0) / 1e9
+            stack = store.stack(layer)
+            misses = [e for e in unique if e not in stack]
+            if misses:
+                # this call waits for its misses: their reads start first
+                # (hits-first started them), then the next layers' guesses
+                # are planned and hinted while they are read, a layer
+                # earlier than after the call's compute
+                if early is None:
+                    store.start_reads(layer, misses)
+                self._hint(guesses)
+                guesses = None
         one_token = ids.size == ids.shape[-1]
         arrays, positions, aside = store.gather(layer, unique, split=split and one_token,
                                               decode=rows <= store.DECODE_ROWS)
@@ -858,12 +874,10 @@ class StreamingExperts(nn.Module):
             y = ys[0] if len(ys) == 1 else \
                 mx.take(mx.concatenate(ys, axis=-2), mx.array(order), axis=-2)
         if guesses:
-            # the experts compute while the next layers' reads are planned
-            # and hinted: that host work leaves the path from router to router
+            # no misses: the experts compute while the next layers' reads are
+            # planned and hinted, host work off the path from router to router
             mx.async_eval(y)
-            t3 = time.monotonic_ns()
-            store.prefetch(guesses)
-            store.stats["predict_s"] += (t1 - t0 + time.monotonic_ns() - t3) / 1e9
+            self._hint(guesses)
         store.end_call()
         t4 = time.monotonic_ns()
         store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store.io_s - io)
@@ -874,6 +888,12 @@ class StreamingExperts(nn.Module):
         # next call (one per layer adds up to several layers' experts)
         self._bind(store.stacks[layer].arrays)
         return y
+
+    def _hint(self, guesses):
+        """Plan and hint the reads of the next layers' guesses (timed as prediction)."""
+        t0 = time.monotonic_ns()
+        self._store.prefetch(guesses)
+        self._store.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
 
     def _hits_first(self, x, ids, unique, split):
         """One token whose experts are partly cached, with ``store.hits_first``

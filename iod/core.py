@@ -378,10 +378,12 @@ class Core:
         self._advance(s, m.now)
         self.c["prefetches"] += 1
         for h, layout, experts in hints:
+            # due now: the call that sent it waits for these (its misses)
+            urgent = h.due <= s.now
             for e in experts:
                 key = (s.model.id, h.layer, e)
                 if self.arena.lookup(key) is None:  # neither ready nor being read
-                    self.sched.prefetch(key, s.model, layout, s.id, h.due, received)
+                    self.sched.prefetch(key, s.model, layout, s.id, h.due, received, urgent)
 
     def on_demand(self, ident, m: P.Demand, peer_pid, received):
         s = self._session(ident, m.model_id)

@@ -66,15 +66,21 @@ class Scheduler:
             self._enqueue(r, sid)  # in this session's turn too (a stale duplicate is skipped)
         return r
 
-    def prefetch(self, key, model, layout, sid, due, now_ns) -> bool:
+    def prefetch(self, key, model, layout, sid, due, now_ns, urgent=False) -> bool:
         """Queue (or join) a prefetch of ``key`` due at call ``due``; False
-        when the session already asked for it."""
+        when the session already asked for it. An ``urgent`` one (due at the
+        session's current call, which will demand it) is read as a demand
+        read, ahead of every prefetch; a queued prefetch is promoted."""
         r = self.reads.get(key)
+        if r is not None and urgent and r.state == QUEUED and r.cls == PREFETCH:
+            r.cls = DEMAND
+            self.promoted += 1
+            self._enqueue(r, sid)
         if r is not None and sid in r.prefetchers:
             r.prefetchers[sid] = max(r.prefetchers[sid], due)
             return False
         if r is None:
-            r = self.reads[key] = Read(key, model, layout, PREFETCH, now_ns)
+            r = self.reads[key] = Read(key, model, layout, DEMAND if urgent else PREFETCH, now_ns)
             self._enqueue(r, sid)
         else:
             self.coalesced += 1

@@ -161,6 +161,28 @@ def test_demand_promotes_a_queued_prefetch_and_reads_once(folder):
     assert h.core.c["reads"] == 5  # one read of expert 4, for both
 
 
+def test_a_hint_due_now_is_read_as_demand_ahead_of_queued_prefetches(folder):
+    """A session's own misses, hinted before its DEMAND (due at its current
+    call), go ahead of its queued guesses: a new read as a demand read, a
+    queued prefetch promoted; the DEMAND that follows waits on that read."""
+    h = Harness(folder, workers=1)  # two reads in flight, at most one a prefetch
+    a = h.hello(b"a")
+    h.prefetch(b"a", a.model_id, 0, [0, 1, 2, 3], now=5, due=6)  # 0 starts, 1-3 queued
+    h.prefetch(b"a", a.model_id, 1, [7], now=5, due=5)  # due now: starts at once
+    h.prefetch(b"a", a.model_id, 0, [3], now=5, due=5)  # queued prefetch: promoted
+    assert h.core.sched.promoted == 1
+    assert [(j.key[1:], h.reader.cls(j)) for j in h.reader.jobs] == \
+        [((0, 0), PREFETCH), ((1, 7), DEMAND)]
+    h.finish((a.model_id, 0, 0))
+    assert [(j.key[1:], h.reader.cls(j)) for j in h.reader.jobs] == \
+        [((1, 7), DEMAND), ((0, 3), DEMAND)]
+    rid = h.demand(b"a", a.model_id, 1, [7], now=5)
+    assert h.core.c["reads"] == 1 and len(h.reader.jobs) == 2  # no second read of 7
+    assert h.core.c["prefetch_reads"] == 1  # the misses are not counted as prefetches
+    h.finish((a.model_id, 1, 7))
+    assert [r.expert for r in h.reply(b"a", rid).refs] == [7]
+
+
 def test_two_sessions_demanding_one_record_share_one_read(folder):
     h = Harness(folder)
     a, b = h.hello(b"a"), h.hello(b"b")

@@ -98,6 +98,39 @@ def test_calibrated_predictors_beat_the_router(arch, calibrated, trained_model, 
     assert p["combined"]["1"]["precision"] >= 0.5, p["combined"]
 
 
+def record_source_calls(store):
+    """Log the store's streamed calls and its source's hints and fetches:
+    ("call", layer), ("hint", [(layer, calls ahead)]), ("fetch", layer)."""
+    log, source = [], store.source
+    begin, hint, fetch = store.begin_call, source.prefetch_many, source.fetch_into
+
+    def begin_call(layer, rows):
+        log.append(("call", layer))
+        return begin(layer, rows)
+
+    def prefetch_many(hints):
+        log.append(("hint", [(layer, ahead) for layer, _, ahead in hints]))
+        return hint(hints)
+
+    def fetch_into(layer, experts, sink):
+        log.append(("fetch", layer))
+        return fetch(layer, experts, sink)
+
+    store.begin_call, source.prefetch_many, source.fetch_into = begin_call, prefetch_many, fetch_into
+    return log
+
+
+def split_calls(log):
+    """[(layer, entries of its call)] from record_source_calls' log."""
+    calls = []
+    for kind, arg in log:
+        if kind == "call":
+            calls.append((arg, []))
+        elif calls:
+            calls[-1][1].append((kind, arg))
+    return calls
+
+
 def greedy(model, ids, n=32):
     return [t for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
 
@@ -120,11 +153,23 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
         streamed, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25))
         store.depth = 3
         assert store.calibration is not None
+        log = record_source_calls(store)
         assert greedy(streamed, ids) == ref
         assert store.stats["prefetched"] > 0
         assert store.stats["prefetch_used"] + store.stats["prefetch_unused"] <= store.stats["prefetched"]
         split = sum(store.stats["miss_" + k] for k in ("ready", "late", "cold"))
         assert 0 < split <= store.stats["misses"]
+        # a call that waits for misses hints the next layers' guesses before
+        # it demands them (while they are read), never after
+        calls, early = split_calls(log), 0
+        for layer, entries in calls:
+            if ("fetch", layer) in entries:
+                at = entries.index(("fetch", layer))
+                assert not any(kind == "hint" and any(l > layer for l, _ in arg)
+                               for kind, arg in entries[at:]), entries
+                early += any(kind == "hint" and any(l > layer for l, _ in arg)
+                             for kind, arg in entries[:at])
+        assert early > 0
         assert store.prediction_stats()[1]["recall"] > 0.5
         assert source.stats()["counters"]["prefetches"] > 0
     finally:
