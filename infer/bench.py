@@ -491,6 +491,9 @@ def worker(args) -> dict:
         # the rate (decode), and on CUDA whether the arena's mapping is pinned
         # (a refused cudaHostRegister leaves pageable copies, several times slower)
         "copy_mode": copy_mode(),
+        # MLX CUDA's graphs (MLX_USE_CUDA_GRAPHS): a streaming session turns
+        # them off (infer.loader.load_streaming); None off CUDA
+        "cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS", "1") != "0" if copy_mode() == "cuda" else None,
         "copy_s_per_token": med(r["copy_s_per_token"] for r in runs),
         "copy_gb_s": last["decode_bytes"] / last["copy_s"] / 1e9 if last["copy_s"] else None,
         "arena_pinned": last["arena_pinned"],

@@ -1,5 +1,6 @@
 """Load a prep folder into mlx-lm's own model classes with streaming experts."""
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -81,6 +82,14 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
                         top_k=top_k(model_dir))
     store.dtype = dtype
     store.set_disk(model_dir)
+    if any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):
+        # A streamed layer syncs at its router. On the H200 a sync cost
+        # ~0.5 ms with MLX CUDA's graphs and ~0.2 ms without
+        # (scripts/gpu/sync_probe.py), and streaming at 25% ran 1.07x faster
+        # without them (docs/benchmarks.md, thirteenth lease). MLX reads
+        # this at its first CUDA evaluation, still to come here; Metal and
+        # the CPU ignore it; a user's own setting wins.
+        os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
     def get_classes(config):
         model_class, args_class = _get_classes(config)

@@ -55,6 +55,7 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
     for name in ("sync", "inproc", "iod"):  # records copied in place on the CPU
         m = report["modes"][name]
         assert m["copy_mode"] == "host" and m["arena_pinned"] is None
+        assert m["cuda_graphs"] is None  # a CUDA figure
         assert m["copy_s_per_token"] > 0 and m["copy_gb_s"] > 0
         assert 0 <= m["aside_calls"] <= m["misses"]
         # the streamed calls' own host work, of it the prediction's: none without it

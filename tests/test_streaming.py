@@ -1,5 +1,7 @@
 """Streaming experts give exactly mlx-lm's greedy tokens, whatever the cache size."""
 
+import os
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load as mlx_load
@@ -155,6 +157,31 @@ def test_mtp_layers_share_the_cache_only_when_drafting(prep_model):
         assert (set(plan.capacity) & mtp != set()) == mtp_cache
     assert runs[False][0] == runs[True][0]
     assert runs[False][1]["misses"] < runs[True][1]["misses"]  # the main layers hold more
+
+
+def test_a_streaming_session_turns_mlx_cuda_graphs_off(prep_model, monkeypatch):
+    """Where some layer streams, MLX_USE_CUDA_GRAPHS=0 is set before the
+    model is loaded (read by MLX CUDA at its first evaluation); with every
+    layer whole it is left alone, and so is a user's own setting."""
+    from infer.budget import cached_expert_bytes
+    from shared.blob import Manifest
+
+    prep = prep_model("qwen3_moe")
+    whole = cached_expert_bytes(Manifest.load(prep))
+    for cache, user, want in ((whole // 4, None, "0"), (whole, None, None), (whole // 4, "1", "1")):
+        monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "unset below; restored after the test")
+        if user is None:
+            monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+        else:
+            monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", user)
+        source = InprocSource(prep, arena=64 << 20)
+        try:
+            _, _, store = load_streaming(prep, source, cache, preload=False)
+            whole_layers = [store.capacity[l] == store.layouts[l].num_experts for l in store.cached]
+            assert all(whole_layers) == (cache == whole)
+            assert os.environ.get("MLX_USE_CUDA_GRAPHS") == want
+        finally:
+            source.close()
 
 
 @pytest.mark.parametrize("stored", ["bfloat16", "float16"])
