@@ -199,7 +199,7 @@ def decode(model, prompt_ids, follow, n, store=None):
         out["prefetched_bytes"] = delta["prefetched_bytes"]
         out["prefetch_unused_bytes"] = delta["prefetch_unused_bytes"]
         out["hits_first_calls"] = delta["hits_first"]
-        out["miss_split"] = {k: delta["miss_" + k] for k in ("ready", "late", "cold")}
+        out["miss_split"] = {k: delta["miss_" + k] for k in ("ready", "late", "unplanned", "cold")}
         out["aside_calls"] = delta["aside_calls"]
         out["host_s_per_token"] = delta["host_s"] / steps
         out["predict_s_per_token"] = delta["predict_s"] / steps
@@ -500,7 +500,8 @@ def worker(args) -> dict:
         "prefetched_bytes": last["prefetched_bytes"],
         "prefetch_unused_bytes": last["prefetch_unused_bytes"],
         # decode misses: ready in the arena when the call came (read ahead in
-        # time), hinted but still being read (late), not hinted (on demand)
+        # time), hinted but still being read (late), guessed but left out of
+        # the plan (unplanned), never guessed (cold)
         "miss_split": last["miss_split"],
         # whether a call computes its cached experts while its misses are read,
         # and the calls that did

@@ -309,8 +309,8 @@ class ExpertStore:
                       "prefetch_unused": 0, "prefetch_unused_bytes": 0,
                       # a decode-sized call's misses by how they were found: read
                       # ahead and ready in the arena, hinted and still being read
-                      # (a late prefetch), or not hinted (read on demand)
-                      "miss_ready": 0, "miss_late": 0, "miss_cold": 0,
+                      # (a late prefetch), guessed but not hinted, never guessed
+                      "miss_ready": 0, "miss_late": 0, "miss_unplanned": 0, "miss_cold": 0,
                       "hits_first": 0,  # calls that computed cached experts while reading
                       "aside_calls": 0,  # one-token calls that computed bypassed experts apart
                       "whole_calls": 0,  # calls of whole layers: the resident call, no sync
@@ -517,7 +517,10 @@ class ExpertStore:
         return guessed < self.PREFETCH_WARMUP or right >= self.MIN_PRECISION * guessed
 
     def _score(self, layer, actual):
+        """Score the guesses made for this call; returns their union."""
+        guessed = set()
         for d, (guess, small) in self._predicted.pop(layer, {}).items():
+            guessed |= guess
             if d >= len(self.prediction):
                 continue
             row = self.prediction[d]
@@ -529,6 +532,7 @@ class ExpertStore:
                 g = self._precision[d]
                 g[0] = g[0] * self.PRECISION_DECAY + right
                 g[1] = g[1] * self.PRECISION_DECAY + len(guess)
+        return guessed
 
     def _count_prefetch(self, layer, actual):
         """Hinted records this call did not use: read (or queued) for nothing.
@@ -541,16 +545,19 @@ class ExpertStore:
             self.stats["prefetch_unused_bytes"] += unused * self.layouts[layer].record_bytes
         return hinted
 
-    def _count_misses(self, layer, missing, hinted):
+    def _count_misses(self, layer, missing, hinted, guessed):
         """A call's misses: ready in the arena (read ahead, or left by an
-        earlier read), hinted but not read yet (late), or never hinted."""
+        earlier read), hinted but not read yet (late), guessed but not hinted
+        (the plan or the precision gate left them out), or never guessed."""
         not_ready = getattr(self.source, "not_ready", None)
         if not_ready is None:
             return
         waiting = set(not_ready(layer, missing))
+        unhinted = waiting - hinted
         self.stats["miss_ready"] += len(missing) - len(waiting)
         self.stats["miss_late"] += len(waiting & hinted)
-        self.stats["miss_cold"] += len(waiting - hinted)
+        self.stats["miss_unplanned"] += len(unhinted & guessed)
+        self.stats["miss_cold"] += len(unhinted - guessed)
 
     def prediction_stats(self):
         """Recall and precision of the prediction, per depth."""
@@ -575,8 +582,7 @@ class ExpertStore:
         wanted = [int(e) for e in wanted]
         if self.trace is not None:
             self.trace.append((layer, tuple(wanted)))
-        if self._predicted:
-            self._score(layer, set(wanted))
+        guessed = self._score(layer, set(wanted)) if self._predicted else set()
         hinted = self._count_prefetch(layer, set(wanted)) if self._hinted else None
         if len(wanted) <= 2 * self.routers.get(layer, (None, len(wanted)))[1]:
             self._recent[layer] = wanted
@@ -591,7 +597,7 @@ class ExpertStore:
         if not missing:
             return stack.arrays, [stack.position[e] for e in wanted], None
         if decode:
-            self._count_misses(layer, missing, hinted or set())
+            self._count_misses(layer, missing, hinted or set(), guessed)
         places = stack.assign(missing, set(wanted))
         bypassed = [e for e in missing if places[e] is None]
         if not bypassed:

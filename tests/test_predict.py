@@ -205,8 +205,8 @@ def test_unused_prefetch_is_counted(calibrated):
 
 def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
     """A decode call's misses: read ahead and ready (hinted, read in time),
-    hinted and still being read (late), not hinted (cold); a prefill's
-    misses are not counted."""
+    hinted and still being read (late), guessed but left out of the plan
+    (unplanned), never guessed (cold); a prefill's misses are not counted."""
     from iod.inproc import InprocSource
 
     from infer.loader import load_streaming
@@ -218,18 +218,22 @@ def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
                                      preload=False)
         store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
         # the in-process core ends a read when it is polled: layer 1's are being read
+        split = lambda: {k: store.stats["miss_" + k] for k in ("ready", "late", "unplanned", "cold")}
         store.gather(1, np.array([3, 9]), decode=True)
-        assert {k: store.stats["miss_" + k] for k in ("ready", "late", "cold")} == \
-            {"ready": 0, "late": 1, "cold": 1}
+        assert split() == {"ready": 0, "late": 1, "unplanned": 0, "cold": 1}
         deadline = time.monotonic() + 10
         while not (source._is_ready(2, 5) and source._is_ready(2, 6)):
             assert time.monotonic() < deadline
             source._poll()
         store.gather(2, np.array([5, 7]), decode=True)
-        assert {k: store.stats["miss_" + k] for k in ("ready", "late", "cold")} == \
-            {"ready": 1, "late": 1, "cold": 2}
-        store.gather(3, np.arange(16))
-        assert store.stats["miss_cold"] == 2
+        assert split() == {"ready": 1, "late": 1, "unplanned": 0, "cold": 2}
+        # guesses used by none of the calibration's calls: scored, not read
+        store.prefetch([(3, 1, mx.array([[10, 11]]), np.zeros(2), 2)])
+        assert 3 not in store._hinted
+        store.gather(3, np.array([10, 12]), decode=True)
+        assert split() == {"ready": 1, "late": 1, "unplanned": 1, "cold": 3}
+        store.gather(0, np.arange(16))
+        assert store.stats["miss_cold"] == 3
     finally:
         source.close()
 
