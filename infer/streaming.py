@@ -836,8 +836,10 @@ class StreamingExperts(nn.Module):
         if split is None:
             split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
         early = self._hits_first(x, ids, unique, split)
+        decode = rows <= store.DECODE_ROWS
         if guesses:
             store.stats["predict_s"] += (t1 - t0) / 1e9
+        if guesses and decode:  # (a prefill's guesses are scored, not read)
             stack = store.stack(layer)
             misses = [e for e in unique if e not in stack]
             if misses:
@@ -850,8 +852,7 @@ class StreamingExperts(nn.Module):
                 self._hint(guesses)
                 guesses = None
         one_token = ids.size == ids.shape[-1]
-        arrays, positions, aside = store.gather(layer, unique, split=split and one_token,
-                                              decode=rows <= store.DECODE_ROWS)
+        arrays, positions, aside = store.gather(layer, unique, split=split and one_token, decode=decode)
         self._bind(arrays)
         lut = self._lut  # entries of other experts are stale, and unread
         lut[unique] = positions
