@@ -272,7 +272,7 @@ class Wavefront:
             for ev in self._turn:
                 ev.set()
 
-    def _hook(self, layer, wanted, split=False):
+    def _hook(self, layer, wanted, split=False, decode=False):
         # stands in for ExpertStore.gather during the run
         j = self._local.j
         self._wanted[j] = (layer, [int(e) for e in wanted])
@@ -286,7 +286,8 @@ class Wavefront:
             self.union[2] += sum(len(w[1]) for w in self._wanted)
             # the union on one stack (no bypassed experts apart: each
             # token's call takes its own experts out of it)
-            arrays, positions, _ = type(self.store).gather(self.store, layer, np.array(union))
+            arrays, positions, _ = type(self.store).gather(self.store, layer, np.array(union),
+                                                           decode=decode)
             self._fetched = (arrays, dict(zip(union, positions)))
         self._pass(j)
         self._wait(j)
@@ -745,11 +746,11 @@ class _Decoder:
             return
         gather = store.gather
 
-        def counted(layer, wanted, split=False):
+        def counted(layer, wanted, split=False, decode=False):
             self.union[0] += 1
             self.union[1] += len(wanted)
             self.union[2] += n * store.routers.get(layer, (None, len(wanted)))[1]
-            return gather(layer, wanted, split)
+            return gather(layer, wanted, split, decode)
 
         store.gather = counted
         try:
