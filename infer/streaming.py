@@ -406,9 +406,11 @@ class ExpertStore:
             out.append((nxt, d, ids, use, breadth))
         return out
 
-    def prefetch(self, guesses):
+    def prefetch(self, guesses, misses=None):
         """Score ``guesses`` when their layers are called, and hint the source
-        to read the ones ``plan`` finds worth reading in time."""
+        to read the ones ``plan`` finds worth reading in time. ``misses``,
+        (layer, experts) the calling layer waits for, go first in the same
+        message (due now: the daemon reads them as demand reads)."""
         candidates = []
         for layer, d, ids, use, breadth in guesses:
             rows = np.array(ids).reshape(-1, ids.shape[-1])
@@ -436,6 +438,8 @@ class ExpertStore:
                         p = min(p, SPARE_ONLY)
                     candidates.append((p, d, layer, e))
         if not candidates:
+            if misses:
+                self.start_reads(*misses)
             return
         rec = self.layouts[candidates[0][2]].record_bytes
         # hints outstanding for the layers planned (the calling layer's own
@@ -446,10 +450,11 @@ class ExpertStore:
         for _, d, layer, e in chosen:
             by_layer.setdefault((layer, d), []).append(e)
         hints = [(layer, sorted(experts), d) for (layer, d), experts in sorted(by_layer.items())]
-        sent = self._call("prefetch_many", hints)
+        first = [(misses[0], list(misses[1]), 0)] if misses else []
+        sent = self._call("prefetch_many", first + hints)
         if sent is None:  # the daemon was replaced during the call: counted as hinted
-            sent = [experts for _, experts, _ in hints]
-        for (layer, _, _), hinted in zip(hints, sent):
+            sent = [experts for _, experts, _ in first + hints]
+        for (layer, _, _), hinted in zip(hints, sent[len(first):]):
             self._hinted.setdefault(layer, set()).update(hinted)
             self.stats["prefetched"] += len(hinted)
             self.stats["prefetched_bytes"] += len(hinted) * self.layouts[layer].record_bytes
@@ -835,21 +840,26 @@ class StreamingExperts(nn.Module):
         split = self._split.get(x.dtype)
         if split is None:
             split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
-        early = self._hits_first(x, ids, unique, split)
         decode = rows <= store.DECODE_ROWS
+        hint_now = bool(guesses) and decode  # (a prefill's guesses are scored, not read)
+        early = self._hits_first(x, ids, unique, split, start=not hint_now)
         if guesses:
             store.stats["predict_s"] += (t1 - t0) / 1e9
-        if guesses and decode:  # (a prefill's guesses are scored, not read)
+        if hint_now:
             stack = store.stack(layer)
             misses = [e for e in unique if e not in stack]
             if misses:
-                # this call waits for its misses: their reads start first
-                # (hits-first started them), then the next layers' guesses
-                # are planned and hinted while they are read, a layer
-                # earlier than after the call's compute
+                # this call waits for its misses: the next layers' guesses
+                # are hinted now, a layer earlier than after its compute.
+                # While its cached experts compute (hits-first), the plan
+                # costs the misses nothing: they go in the hints' message;
+                # else their reads start first, and the plan runs while
+                # they are read
                 if early is None:
                     store.start_reads(layer, misses)
-                self._hint(guesses)
+                    self._hint(guesses)
+                else:
+                    self._hint(guesses, (layer, misses))
                 guesses = None
         one_token = ids.size == ids.shape[-1]
         arrays, positions, aside = store.gather(layer, unique, split=split and one_token, decode=decode)
@@ -896,16 +906,18 @@ class StreamingExperts(nn.Module):
         self._bind(store.stacks[layer].arrays)
         return y
 
-    def _hint(self, guesses):
-        """Plan and hint the reads of the next layers' guesses (timed as prediction)."""
+    def _hint(self, guesses, misses=None):
+        """Plan and hint the reads of the next layers' guesses (timed as
+        prediction), after this call's ``misses`` in the same message."""
         t0 = time.monotonic_ns()
-        self._store.prefetch(guesses)
+        self._store.prefetch(guesses, misses)
         self._store.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
 
-    def _hits_first(self, x, ids, unique, split):
+    def _hits_first(self, x, ids, unique, split, start=True):
         """One token whose experts are partly cached, with ``store.hits_first``
-        and ``split`` (split_is_exact): start reading the others, and compute
-        the cached ones meanwhile. Returns (hit mask over the token's experts,
+        and ``split`` (split_is_exact): start reading the others (unless not
+        ``start``: the caller sends them with its hints), and compute the
+        cached ones meanwhile. Returns (hit mask over the token's experts,
         their outputs, being evaluated), or None. Exact: each (token, expert)
         product is computed on its own either way."""
         store = self._store
@@ -916,7 +928,8 @@ class StreamingExperts(nn.Module):
         hit = np.array([e in stack for e in ids.ravel().tolist()])
         if hit.all() or not hit.any():
             return None
-        store.start_reads(self._layout.layer, [e for e in unique if e not in stack])
+        if start:
+            store.start_reads(self._layout.layer, [e for e in unique if e not in stack])
         store.stats["hits_first"] += 1
         self._bind(stack.arrays)
         pos = np.array([stack.position[e] for e in ids.ravel()[hit].tolist()], dtype=np.uint32)
