@@ -53,14 +53,19 @@ def record(model_dir, tokens, text=None, stretches=2):
     store.depth = 2
     store.gate = PredictionGate("on")  # every call's guesses, whatever they cost
     guesses = []
-    prefetch = store.prefetch
+    prefetch, begin_call = store.prefetch, store.begin_call
+    call = [0]
 
-    def record_guesses(gs):  # the guesses of the call the trace recorded last (hinted after its gather)
-        guesses.append((len(store.trace) - 1, [[int(l), d, np.unique(np.array(g)[..., :breadth]).tolist()]
-                                           for l, d, g, _, breadth in gs]))
-        prefetch(gs)
+    def begin(layer, rows):  # the trace entry this call's gather will add
+        call[0] = len(store.trace)
+        return begin_call(layer, rows)
 
-    store.prefetch = record_guesses
+    def record_guesses(gs, misses=None):  # hinted before or after the call's gather
+        guesses.append((call[0], [[int(l), d, np.unique(np.array(g)[..., :breadth]).tolist()]
+                                  for l, d, g, _, breadth in gs]))
+        prefetch(gs, misses)
+
+    store.begin_call, store.prefetch = begin, record_guesses
     traces = {}
     span = PROMPT_TOKENS + tokens
     for i in range(stretches):
