@@ -166,6 +166,8 @@ def decode(model, prompt_ids, follow, n, store=None):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from .streaming import MISS_KINDS
+
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
     logits = model(mx.array(prompt_ids)[None], cache=cache)
@@ -199,7 +201,7 @@ def decode(model, prompt_ids, follow, n, store=None):
         out["prefetched_bytes"] = delta["prefetched_bytes"]
         out["prefetch_unused_bytes"] = delta["prefetch_unused_bytes"]
         out["hits_first_calls"] = delta["hits_first"]
-        out["miss_split"] = {k: delta["miss_" + k] for k in ("ready", "late", "unplanned", "cold")}
+        out["miss_split"] = {k: delta["miss_" + k] for k in MISS_KINDS}
         out["aside_calls"] = delta["aside_calls"]
         out["host_s_per_token"] = delta["host_s"] / steps
         out["predict_s_per_token"] = delta["predict_s"] / steps

@@ -51,6 +51,11 @@ _MX_DTYPES = {
 }
 
 
+# how a decode call's misses were found (ExpertStore._count_misses): read
+# ahead and ready, hinted but still being read, guessed but not hinted, never guessed
+MISS_KINDS = ("ready", "late", "unplanned", "cold")
+
+
 def _dtype(segment, cast=None):
     """The MLX dtype a segment is used in: its own, or ``cast`` for floats."""
     dtype = _MX_DTYPES[segment.dtype]
@@ -310,7 +315,7 @@ class ExpertStore:
                       # a decode-sized call's misses by how they were found: read
                       # ahead and ready in the arena, hinted and still being read
                       # (a late prefetch), guessed but not hinted, never guessed
-                      "miss_ready": 0, "miss_late": 0, "miss_unplanned": 0, "miss_cold": 0,
+                      **{"miss_" + k: 0 for k in MISS_KINDS},
                       "hits_first": 0,  # calls that computed cached experts while reading
                       "aside_calls": 0,  # one-token calls that computed bypassed experts apart
                       "whole_calls": 0,  # calls of whole layers: the resident call, no sync

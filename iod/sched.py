@@ -60,11 +60,17 @@ class Scheduler:
             return r
         self.coalesced += 1
         if r.state == QUEUED:
-            if r.cls == PREFETCH:
-                r.cls = DEMAND
-                self.promoted += 1
+            self._promote(r)
             self._enqueue(r, sid)  # in this session's turn too (a stale duplicate is skipped)
         return r
+
+    def _promote(self, r: Read) -> bool:
+        """A queued prefetch becomes a demand read; whether it was one."""
+        if r.cls != PREFETCH:
+            return False
+        r.cls = DEMAND
+        self.promoted += 1
+        return True
 
     def prefetch(self, key, model, layout, sid, due, now_ns, urgent=False) -> bool:
         """Queue (or join) a prefetch of ``key`` due at call ``due``; False
@@ -72,9 +78,7 @@ class Scheduler:
         session's current call, which will demand it) is read as a demand
         read, ahead of every prefetch; a queued prefetch is promoted."""
         r = self.reads.get(key)
-        if r is not None and urgent and r.state == QUEUED and r.cls == PREFETCH:
-            r.cls = DEMAND
-            self.promoted += 1
+        if r is not None and urgent and r.state == QUEUED and self._promote(r):
             self._enqueue(r, sid)
         if r is not None and sid in r.prefetchers:
             r.prefetchers[sid] = max(r.prefetchers[sid], due)

@@ -47,7 +47,7 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
         assert m["stall_s_per_token"] >= 0
         assert 0 <= m["prefetch_unused_bytes"] <= m["prefetched_bytes"]
         assert "prefetch_reads" in m["source_counters"]
-        # the decode misses, each found ready, late or cold
+        # the decode misses, each found ready, late, unplanned or cold
         assert 0 < sum(m["miss_split"].values()) <= m["decode_misses"]
     assert "iod" in r.stdout and "belady" in r.stdout and "unused MB" in r.stdout
     assert report["modes"]["sync"]["hits_first"] is True

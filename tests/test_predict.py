@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from infer import predict, routing
+from infer.streaming import MISS_KINDS
 from infer.prep import main as prep_main
 
 ARCHS = ["qwen3_moe", "qwen3_next"]
@@ -157,7 +158,7 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
         assert greedy(streamed, ids) == ref
         assert store.stats["prefetched"] > 0
         assert store.stats["prefetch_used"] + store.stats["prefetch_unused"] <= store.stats["prefetched"]
-        split = sum(store.stats["miss_" + k] for k in ("ready", "late", "cold"))
+        split = sum(store.stats["miss_" + k] for k in MISS_KINDS)
         assert 0 < split <= store.stats["misses"]
         # a call that waits for misses hints the next layers' guesses before
         # it demands them, never after; with hits-first (this CPU) its misses
@@ -221,7 +222,7 @@ def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
                                      preload=False)
         store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
         # the in-process core ends a read when it is polled: layer 1's are being read
-        split = lambda: {k: store.stats["miss_" + k] for k in ("ready", "late", "unplanned", "cold")}
+        split = lambda: {k: store.stats["miss_" + k] for k in MISS_KINDS}
         store.gather(1, np.array([3, 9]), decode=True)
         assert split() == {"ready": 0, "late": 1, "unplanned": 0, "cold": 1}
         deadline = time.monotonic() + 10
