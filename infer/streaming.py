@@ -289,6 +289,7 @@ class ExpertStore:
         self._maps = {}  # (layer, next layer) -> (W, b) as MLX arrays, made on first use
         self.routers = {}  # layer -> (router module, top k)
         self.next_layers = {}  # layer -> the MoE layers after it, in order
+        self._order = {}  # layer -> its place among them
         self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
         self.trace = None  # set to a list to record each call's experts (routing_trace)
         self.profiler = None  # an infer.profile.Profiler: per-layer spans
@@ -296,7 +297,7 @@ class ExpertStore:
         # (set_disk) or by the caller; else measured on demand reads
         self.disk_rate = None
         self.disk_ceiling = None  # iod doctor's best rate for that disk (bytes/s)
-        self.layer_s = None  # decayed compute time per MoE layer (decode-sized calls)
+        self.layer_s = None  # decayed time per MoE layer less its IO waits (decode-sized calls)
         self._recent = {}  # layer -> the experts of its last call of one token's size (<= 2 top-k)
         self._asides = {}  # layout's shape -> the stack one-token calls' bypassed experts go to
         # a token computes its cached experts while its misses are read
@@ -331,7 +332,7 @@ class ExpertStore:
         # guessing most of a layer is always right and says nothing)
         self._precision = [[0.0, 0.0] for _ in range(max(self.depth, 3) + 1)]
         self._hinted = {}  # layer -> experts hinted for its next call
-        self._mark = None  # (time, IO seconds) at the end of the last layer call
+        self._mark = None  # (time, IO seconds, layer) at the last streamed call's router
         self.io_s = 0.0  # seconds spent in fetches (stall and copy)
         self._read = [0.0, 0.0]  # decayed [bytes, seconds] of demand reads
         self._last_layer = None  # the layer of the last streamed call
@@ -352,6 +353,7 @@ class ExpertStore:
         self.routers = routers
         order = sorted(routers)
         self.next_layers = {l: order[i + 1 :] for i, l in enumerate(order)}
+        self._order = {l: i for i, l in enumerate(order)}
 
     def set_disk(self, folder):
         """The read rate of the disk ``folder``'s blobs lie on, as `iod doctor`
@@ -500,19 +502,22 @@ class ExpertStore:
         self._last_layer = layer
         return self.gate.on
 
-    def clock(self, small):
-        """At a layer's router: the compute since the previous layer call
-        ended (its IO left out) updates ``layer_s`` for decode-sized calls."""
+    def clock(self, layer, small):
+        """At a streamed call's router, after its sync: the time since the
+        previous streamed call's router in the same pass, less the IO waited
+        for in between, per layer passed, updates ``layer_s`` for
+        decode-sized calls. That is the time the disk has for reads ahead
+        while a layer runs: its attention, its experts and the calls' host
+        work (hints go out at a call, before its own host work is done)."""
         now = time.monotonic()
         if self._mark is not None and small:
-            t, io = self._mark
-            dt = max(now - t - (self.io_s - io), 0.0)
-            a = self.CLOCK_DECAY
-            self.layer_s = dt if self.layer_s is None else a * self.layer_s + (1 - a) * dt
-
-    def end_call(self):
-        """A streamed call's end: the compute up to the next router starts."""
-        self._mark = (time.monotonic(), self.io_s)
+            t, io, prev = self._mark
+            passed = self._order.get(layer, 0) - self._order.get(prev, 0)
+            if passed > 0:  # a later layer of the same pass
+                dt = max(now - t - (self.io_s - io), 0.0) / passed
+                a = self.CLOCK_DECAY
+                self.layer_s = dt if self.layer_s is None else a * self.layer_s + (1 - a) * dt
+        self._mark = (now, self.io_s, layer)
 
     def prefetch_pays(self, depth):
         """Whether guesses at ``depth`` are right often enough to be read
@@ -839,7 +844,7 @@ class StreamingExperts(nn.Module):
             prof.span("host", layer, t0, t1)
             prof.span("compute", layer, t1, t2)
         unique = sorted(set(ids.ravel().tolist()))
-        store.clock(rows <= store.DECODE_ROWS)
+        store.clock(layer, rows <= store.DECODE_ROWS)
         # a token's experts in groups (the cached first, the bypassed apart)
         # only where the backend computes each the same in any group
         split = self._split.get(x.dtype)
@@ -900,7 +905,6 @@ class StreamingExperts(nn.Module):
             # planned and hinted, host work off the path from router to router
             mx.async_eval(y)
             self._hint(guesses)
-        store.end_call()
         t4 = time.monotonic_ns()
         store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store.io_s - io)
         if prof:  # stall and copy spans lie inside: the summary takes them out

@@ -372,3 +372,37 @@ def test_guesses_past_the_breadth_are_read_in_spare_time_only(calibrated):
         assert store._predicted[2][1] == ({0, 1, 2, 3}, True)  # scored: the guess
     finally:
         source.close()
+
+
+def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
+    """``layer_s`` (what the disk has for reads ahead per layer) is the time
+    from one streamed call's router to the next one's in the same pass, IO
+    waits left out, split over the layers passed; a new pass and calls past
+    decode size update nothing."""
+    from iod.inproc import InprocSource
+
+    from infer import streaming
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
+        first, _, third, *_ = sorted(store.routers)
+        now = [100.0]
+        monkeypatch.setattr(streaming.time, "monotonic", lambda: now[0])
+        store.CLOCK_DECAY = 0.0  # the last figure alone
+        store.clock(first, True)
+        now[0] += 0.010
+        store.io_s += 0.004  # waited for reads: the disk was busy with them
+        store.clock(third, True)  # two layers on
+        assert store.layer_s == pytest.approx(0.003)
+        now[0] += 0.050
+        store.clock(first, True)  # the next token: not a layer's time
+        assert store.layer_s == pytest.approx(0.003)
+        now[0] += 0.020
+        store.clock(third, False)  # a prefill's call
+        assert store.layer_s == pytest.approx(0.003)
+    finally:
+        source.close()
