@@ -14,6 +14,7 @@ prediction-aware pool policy (``simulate_global(..., "predict")``) uses.
 docs/benchmarks.md, "Cache policy on trained routing", has the measured table.
 """
 
+import math
 from collections import OrderedDict, defaultdict
 
 
@@ -140,6 +141,13 @@ class LFU(Policy):
         return best
 
 
+def decayed_rank(score, at, decay):
+    """The log of ``score`` (taken at time ``at``) decayed to time 0: fixed
+    while the score decays, it orders experts as their decayed scores do at
+    any one time, and ties where they tie."""
+    return math.log(score) - at * math.log(decay)
+
+
 class FreqDecay(LFU):
     """Frequency with exponential decay: each access adds 1 and the score
     halves every ``half_life`` calls of the layer; ties go to the least recent."""
@@ -153,17 +161,22 @@ class FreqDecay(LFU):
         s, t = self.score.get(e, (0.0, self.t))
         return s * self.decay ** (self.t - t)
 
+    def _rank(self, e):
+        """decayed_rank of ``e``'s score (-inf: never accessed)."""
+        s, t = self.score.get(e, (0.0, self.t))
+        return decayed_rank(s, t, self.decay) if s > 0 else -math.inf
+
     def on_access(self, e):
         self.score[e] = (self._now(e) + 1.0, self.t)
 
     def victim(self, keep):
-        best, best_s = None, None
+        best, best_r = None, None
         for e in self.cached:
             if e in keep:
                 continue
-            s = self._now(e)
-            if best is None or s < best_s:
-                best, best_s = e, s
+            r = self._rank(e)
+            if best is None or r < best_r:
+                best, best_r = e, r
         return best
 
 
@@ -173,7 +186,7 @@ class FreqDecayAdmit(FreqDecay):
     it once from a temporary stack and the cache is left as it was."""
 
     def admit(self, new, victim):
-        return self._now(new) > self._now(victim)
+        return self._rank(new) > self._rank(victim)
 
 
 class FreqDecayRank(FreqDecay):
@@ -185,10 +198,10 @@ class FreqDecayRank(FreqDecay):
 
     def request(self, req):
         missing = self._count(req)
-        for e in sorted(missing, key=lambda e: (-self._now(e), e)):
+        for e in sorted(missing, key=lambda e: (-self._rank(e), e)):
             if len(self.cached) >= self.capacity:
                 v = self.victim(req)
-                if v is None or self._now(v) > self._now(e):
+                if v is None or self._rank(v) > self._rank(e):
                     continue  # used once from a temporary stack
                 del self.cached[v]
             self.on_insert(e)

@@ -19,6 +19,7 @@ temporary compact stack.
 """
 
 import copy
+import heapq
 import math
 import time
 from collections import OrderedDict
@@ -35,6 +36,7 @@ from shared.blob import NUMPY_DTYPES
 from shared.source import Batch
 
 from . import predict
+from .belady import decayed_rank
 from .budget import cached_layers, split_cache
 from .client import DaemonDead
 from .gate import PredictionGate
@@ -113,7 +115,15 @@ class LayerStack:
         self.identity = capacity >= layout.num_experts
         self.t = 0
         self._score = {}  # expert -> (decayed access count, at t); also evicted ones
+        self._rank = {}  # expert -> decayed_rank of that score (ranks compare as scores do)
         self._decay = 0.5 ** (1.0 / self.HALF_LIFE)
+        # (rank, recency, expert) of the cached experts, lowest first: the
+        # victim without a scan of the stack (a real model's 128 cached
+        # experts a layer cost ~70 us a miss scanned); an expert's entries
+        # other than its latest are stale and skipped
+        self._heap = []
+        self._recency = {}  # cached expert -> the count at its last touch or insertion
+        self._count = 0
         self.arrays = {}
         for s in layout.segments:
             a = mx.zeros((max(capacity, 1), *s.shape), _dtype(s, cast))
@@ -145,21 +155,41 @@ class LayerStack:
         return s * self._decay ** (self.t - t)
 
     def _access(self, expert):
-        self._score[expert] = (self._now(expert) + 1.0, self.t)
+        s = self._now(expert) + 1.0
+        self._score[expert] = (s, self.t)
+        self._rank[expert] = decayed_rank(s, self.t, self._decay)
+
+    def _push(self, expert):
+        """Enter a cached expert's rank and recency in the heap."""
+        if self.identity:
+            return  # never evicts
+        self._count += 1
+        self._recency[expert] = self._count
+        heapq.heappush(self._heap, (self._rank[expert], self._count, expert))
+        if len(self._heap) > 4 * len(self.position) + 64:  # mostly stale: rebuilt
+            self._heap = [(self._rank[e], self._recency[e], e) for e in self.position]
+            heapq.heapify(self._heap)
 
     def touch(self, expert):
         self.position.move_to_end(expert)
         self._access(expert)
+        self._push(expert)
 
     def victim(self, keep):
         """The cached expert to replace: lowest decayed frequency, not in
         ``keep``; on ties the least recently used (None if all are kept)."""
-        best, best_s = None, None
-        for e in self.position:  # least recent first: strict < keeps it on ties
-            if e not in keep:
-                s = self._now(e)
-                if best is None or s < best_s:
-                    best, best_s = e, s
+        heap, kept, best = self._heap, [], None
+        while heap:
+            rank, recency, e = heap[0]
+            if self._recency.get(e) != recency:
+                heapq.heappop(heap)  # stale: touched since, or evicted
+            elif e in keep:
+                kept.append(heapq.heappop(heap))
+            else:
+                best = e
+                break
+        for entry in kept:
+            heapq.heappush(heap, entry)
         return best
 
     def assign(self, missing, keep):
@@ -170,19 +200,22 @@ class LayerStack:
         the stack holds, the stack keeps the ones used most."""
         for e in missing:
             self._access(e)
+        rank = self._rank
         places = {}
-        for e in sorted(missing, key=lambda e: (-self._now(e), e)):
+        for e in sorted(missing, key=lambda e: (-rank[e], e)):
             if self.identity:
                 pos = e
             elif self._free:
                 pos = self._free.pop()
             else:
                 victim = self.victim(keep)
-                if victim is None or self._now(victim) > self._now(e):
+                if victim is None or rank[victim] > rank[e]:
                     places[e] = None
                     continue
                 pos = self.position.pop(victim)
+                del self._recency[victim]
             self.position[e] = pos
+            self._push(e)
             places[e] = pos
         return places
 

@@ -259,3 +259,34 @@ def test_stack_copies_a_batch_in_one_go_and_keeps_identity_positions():
     for e in (0, 2):
         stack.copy_in(_batch(layout, [e]), [stack.assign([e], keep={e})[e]])
     assert stack.complete
+
+
+def test_stack_keeps_what_its_simulation_keeps_over_many_evictions():
+    """A real model's shape (512 experts, top 10, a quarter cached) on skewed
+    random routing: after every call the stack holds exactly the experts the
+    simulated rule (infer.belady FreqDecayRank, a scan for each victim) holds,
+    through thousands of evictions, kept and bypassed experts included."""
+    import numpy as np
+
+    from infer.belady import FreqDecayRank
+
+    layout = plan_layer(0, "m", [("fc1", "weight", "uint32", (1,), 4, 512)])
+    stack = LayerStack(layout, capacity=128)
+    sim = FreqDecayRank(128, LayerStack.HALF_LIFE)
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, 513) ** 0.8
+    evicted = 0
+    for _ in range(1500):
+        want = sorted(rng.choice(512, size=10, replace=False, p=p / p.sum()).tolist())
+        stack.tick()
+        missing = [e for e in want if e not in stack]
+        for e in want:
+            if e in stack:
+                stack.touch(e)
+        before = len(stack.position)
+        places = stack.assign(missing, set(want))
+        evicted += before + sum(v is not None for v in places.values()) - len(stack.position)
+        assert sim.request(want) == len(missing)
+        assert set(stack.position) == set(sim.cached)
+        assert sorted(stack.position.values()) == sorted(set(stack.position.values()))
+    assert evicted > 3000
