@@ -102,6 +102,16 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
                 super().__init__(args)
                 patch_model(self, manifest, store)
 
+            def __call__(self, *args, **kwargs):
+                # a decode call's misses may be copied in as late as here
+                # (ExpertStore.settle): before the caller evaluates the output
+                store.deferring = True
+                try:
+                    return super().__call__(*args, **kwargs)
+                finally:
+                    store.deferring = False
+                    store.settle()
+
         StreamingModel.__name__ = model_class.__name__
         return StreamingModel, args_class
 

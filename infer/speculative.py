@@ -272,8 +272,9 @@ class Wavefront:
             for ev in self._turn:
                 ev.set()
 
-    def _hook(self, layer, wanted, split=False, decode=False):
-        # stands in for ExpertStore.gather during the run
+    def _hook(self, layer, wanted, split=False, decode=False, defer=False):
+        # stands in for ExpertStore.gather during the run; the union is
+        # copied in now (no deferral: the threads take turns on it)
         j = self._local.j
         self._wanted[j] = (layer, [int(e) for e in wanted])
         if j == self._n - 1:
@@ -746,11 +747,11 @@ class _Decoder:
             return
         gather = store.gather
 
-        def counted(layer, wanted, split=False, decode=False):
+        def counted(layer, wanted, split=False, decode=False, defer=False):
             self.union[0] += 1
             self.union[1] += len(wanted)
             self.union[2] += n * store.routers.get(layer, (None, len(wanted)))[1]
-            return gather(layer, wanted, split, decode)
+            return gather(layer, wanted, split, decode, defer)
 
         store.gather = counted
         try:

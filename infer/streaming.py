@@ -219,6 +219,14 @@ class LayerStack:
             places[e] = pos
         return places
 
+    def forget(self, experts):
+        """Uncache ``experts`` (their copies failed): their positions free."""
+        for e in experts:
+            pos = self.position.pop(e, None)
+            if pos is not None and not self.identity:
+                self._free.append(pos)
+                self._recency.pop(e, None)
+
     def copy_in(self, batch, positions):
         """Copy ``batch``'s records to ``positions``: in host memory one
         native copy per kind of copy (as stored, or widened to float32); on
@@ -338,6 +346,12 @@ class ExpertStore:
         # they take milliseconds (iod/resident 0.73 -> 0.84 at 25%); on a GPU
         # they take microseconds, less than the split's own host work
         self.hits_first = mx.default_device() == mx.cpu
+        # while set (a forward of the whole model: infer.loader), a decode
+        # call's misses are copied in at the next streamed call's router or
+        # at the end of the forward (settle), so the disk reads them while
+        # the next layers' graphs are built
+        self.deferring = False
+        self._pending = []  # (layer, experts, copy, stacks written): reads to settle
         self.gate = PredictionGate()  # whether prediction pays its host time (measured)
         self.reset_stats()
 
@@ -618,10 +632,14 @@ class ExpertStore:
                 }
         return out
 
-    def gather(self, layer, wanted, split=False, decode=False):
+    def gather(self, layer, wanted, split=False, decode=False, defer=False):
         """(arrays, positions, aside): tensors holding the wanted experts and
         each expert's position in them; ``decode``: a decode-sized call, whose
-        misses are counted by how they are found (``_count_misses``). Experts the stack does not admit
+        misses are counted by how they are found (``_count_misses``).
+        ``defer``: the misses (their reads started) are copied in by
+        ``settle``, which must run before the arrays are evaluated; only
+        where every tensor is copied in place (an array rebound by a staged
+        copy would leave the call's graph on the old one). Experts the stack does not admit
         (``LayerStack.assign``) are read into a stack of their own: with
         ``split`` (a one-token call, which computes them apart) ``aside`` is
         (its arrays, the set of those experts) and their positions are in
@@ -648,9 +666,10 @@ class ExpertStore:
             self._count_misses(layer, missing, hinted or set(), guessed)
         places = stack.assign(missing, set(wanted))
         bypassed = [e for e in missing if places[e] is None]
+        defer = defer and all(kind is not None for kind in stack.kinds)
         if not bypassed:
-            self._fetch(layer, missing, lambda batch: stack.copy_in(
-                batch, [places[e] for e in batch.experts]))
+            self._fill(layer, missing, lambda batch: stack.copy_in(
+                batch, [places[e] for e in batch.experts]), [stack], defer)
             return stack.arrays, [stack.position[e] for e in wanted], None
         # an own stack for the bypassed experts, filled by the same copies
         # as the layer's (a cast, a CUDA copy); a one-token call computes
@@ -668,7 +687,9 @@ class ExpertStore:
                                          batch.offsets[picked], [batch.sizes[i] for i in picked],
                                          batch.source), [at[batch.experts[i]] for i in picked])
 
-        self._fetch(layer, missing, copy)
+        # (a compact stack is new, a kept aside stack written again only after
+        # a later call's router synced: what this call left was evaluated)
+        self._fill(layer, missing, copy, [stack, side], defer)
         if split:
             self.stats["aside_calls"] += 1
             return stack.arrays, [where[e] if e in where else stack.position[e] for e in wanted], \
@@ -679,6 +700,32 @@ class ExpertStore:
                   for key, arr in stack.arrays.items()}
         order = {e: i for i, e in enumerate(cached + bypassed)}
         return arrays, [order[e] for e in wanted], None
+
+    def _fill(self, layer, experts, copy, stacks, defer):
+        """Copy ``experts`` in now, or (``defer``) at ``settle``; a failed
+        copy leaves none of them cached."""
+        if defer:
+            self._pending.append((layer, experts, copy, stacks))
+            return
+        try:
+            self._fetch(layer, experts, copy)
+        except BaseException:
+            for s in stacks:
+                s.forget(experts)
+            raise
+
+    def settle(self):
+        """Copy in the misses calls deferred (``gather``), before anything
+        evaluates those calls' outputs."""
+        pending, self._pending = self._pending, []
+        for i, (layer, experts, copy, stacks) in enumerate(pending):
+            try:
+                self._fetch(layer, experts, copy)
+            except BaseException:
+                for _, missed, _, written in pending[i:]:
+                    for s in written:
+                        s.forget(missed)
+                raise
 
     def _aside(self, layer, layout, n):
         """A stack of at least ``n`` positions for a one-token call's bypassed
@@ -856,7 +903,9 @@ class StreamingExperts(nn.Module):
         # guesses are computed right behind the ids and come back in the
         # same read (on MLX CUDA each host read of device memory costs);
         # their reads are planned while this call's misses are read, or,
-        # with none, while its experts compute (below).
+        # with none, while its experts compute (below). The sync evaluates
+        # the earlier calls' outputs: the misses they deferred come in first.
+        store.settle()
         prof, layer = store.profiler, self._layout.layer
         t0 = time.monotonic_ns()
         rows = indices.size // indices.shape[-1]
@@ -888,12 +937,20 @@ class StreamingExperts(nn.Module):
         early = self._hits_first(x, ids, unique, split, start=not hint_now)
         if guesses:
             store.stats["predict_s"] += (t1 - t0) / 1e9
-        if hint_now:
+        # a decode call in a forward of the whole model does not wait for
+        # its misses: they are read while the next layers' graphs are built
+        # (host work on MLX CUDA and Metal), and copied in at the next sync
+        defer = store.deferring and decode
+        started = early is not None  # hits-first started the misses' reads
+        if hint_now or (defer and not started):
             stack = store.stack(layer)
             misses = [e for e in unique if e not in stack]
-            if misses:
-                # this call waits for its misses: the next layers' guesses
-                # are hinted now, a layer earlier than after its compute.
+            if misses and not hint_now:
+                store.start_reads(layer, misses)
+            elif misses:
+                # the misses are read first (this call or the next sync
+                # waits for them): the next layers' guesses are hinted now,
+                # a layer earlier than after its compute.
                 # While its cached experts compute (hits-first), the plan
                 # costs the misses nothing: they go in the hints' message;
                 # else their reads start first, and the plan runs while
@@ -905,7 +962,8 @@ class StreamingExperts(nn.Module):
                     self._hint(guesses, (layer, misses))
                 guesses = None
         one_token = ids.size == ids.shape[-1]
-        arrays, positions, aside = store.gather(layer, unique, split=split and one_token, decode=decode)
+        arrays, positions, aside = store.gather(layer, unique, split=split and one_token, decode=decode,
+                                                defer=defer)
         self._bind(arrays)
         lut = self._lut  # entries of other experts are stale, and unread
         lut[unique] = positions

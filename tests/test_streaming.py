@@ -159,6 +159,79 @@ def test_mtp_layers_share_the_cache_only_when_drafting(prep_model):
     assert runs[False][1]["misses"] < runs[True][1]["misses"]  # the main layers hold more
 
 
+@pytest.mark.parametrize("hits_first", [False, True])
+def test_a_decode_call_copies_its_misses_in_at_the_next_sync(synth_model, prep_model, monkeypatch,
+                                                            hits_first):
+    """In a forward of the whole model a decode call does not wait for its
+    misses: their reads start, the call returns its (lazy) output, and they
+    are copied in at the next streamed call's router, or at the end of the
+    forward for the last layer, before anything is evaluated. A prefill
+    waits for them in its own call. Ids stay mlx-lm's; a copy that fails at
+    the settle leaves none of its experts cached, and decoding goes on."""
+    from infer import streaming
+
+    src = synth_model("qwen3_moe")
+    prep = prep_model("qwen3_moe")
+    ref_model, tokenizer = mlx_load(str(src))
+    ids = tokenizer.encode(PROMPT)
+    expected = greedy(ref_model, ids, n=24)
+    del ref_model
+
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // 8, preload=False)
+    store.hits_first = hits_first
+    events = []
+    call, fetch = streaming.StreamingExperts.__call__, source.fetch_into
+
+    def logged_call(self, x, indices):
+        events.append(("call", self._layout.layer, x.shape[1]))
+        return call(self, x, indices)
+
+    def logged_fetch(layer, experts, sink):
+        events.append(("fetch", layer, len(experts)))
+        return fetch(layer, experts, sink)
+
+    monkeypatch.setattr(streaming.StreamingExperts, "__call__", logged_call)
+    monkeypatch.setattr(source, "fetch_into", logged_fetch)
+    assert greedy(model, ids, n=24) == expected
+    assert not store._pending
+    last = max(store.layouts)
+    deferred = 0
+    for i, (kind, layer, n) in enumerate(events):
+        if kind != "fetch":
+            continue
+        before = next(e for e in reversed(events[:i]) if e[0] == "call")
+        if before[2] > 8:  # a prefill's call fetched its own misses
+            assert before[1] == layer
+        else:  # a decode call's misses came in at the next call, or after the last
+            assert before[1] > layer or (layer == before[1] == last), events[i - 3 : i + 1]
+            deferred += 1
+    assert deferred > 20
+
+    # a copy that fails at the settle: the forward raises, those experts are
+    # not cached, and the next forward decodes mlx-lm's ids again
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([ids]), cache=cache))
+    failed = []
+
+    def failing_fetch(layer, experts, sink):
+        failed.append((layer, list(experts)))
+        raise OSError("injected")
+
+    monkeypatch.setattr(source, "fetch_into", failing_fetch)
+    stacks = {l: store.stack(l) for l in store.layouts}
+    with pytest.raises(OSError):
+        model(mx.array([[expected[0]]]), cache=cache)
+    assert failed and not store._pending
+    for layer, experts in failed:
+        assert not set(experts) & set(stacks[layer].position)
+    monkeypatch.setattr(source, "fetch_into", fetch)
+    assert greedy(model, ids, n=24) == expected
+    source.close()
+
+
 def test_a_streaming_session_turns_mlx_cuda_graphs_off(prep_model, monkeypatch):
     """Where some layer streams, MLX_USE_CUDA_GRAPHS=0 is set before the
     model is loaded (read by MLX CUDA at its first evaluation); with every
