@@ -445,14 +445,16 @@ def run(trainer: Trainer, batches, held, plan: Plan, log, judge=True) -> (list, 
             raise FloatingPointError(f"loss is {loss} at step {step}")
         ema = ce if ema is None else 0.95 * ema + 0.05 * ce
         every = min(r.eval_every, max(10, plan.total // 10))
-        plan.replan(step, float(np.median(times[2:] or times)), eval_s,
-                    lambda a, b: b // every - a // every + 1, reserve)
-        if step % every == 0 or step == plan.total:
+        # the step-0 evaluation's time holds the kernels' compile (55 s on
+        # the H200, later ones 2 s): the first replan times one of its own
+        if step % every == 0 or step == plan.total or step == Plan.REPLAN_AT[0]:
             te = time.time()
             hce, hmtp = trainer.evaluate(held, max(r.batch, 16))
             eval_s = time.time() - te
             last_eval = step
             curve.append(_point(step, step * per_step, t0, hce, hmtp, with_mtp, train_loss=ema, aux=aux, z=z))
+        plan.replan(step, float(np.median(times[2:] or times)), eval_s,
+                    lambda a, b: b // every - a // every + 1, reserve)
         if step % 10 == 0 or step == last_eval:
             el = time.time() - t0
             eta = (plan.total - step) * float(np.median(times[-20:]))

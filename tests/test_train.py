@@ -245,3 +245,35 @@ def test_chunked_delta_trains_like_steps(corpus, tmp_path, monkeypatch):
     out.mkdir()
     report = train.train("qwen3_next", out=out, corpus=str(corpus), log=lambda s: None, delta="chunks", **QUICK)
     assert report["delta"] == "chunks" and "--delta chunks" in report["reproduce"]
+
+
+def test_plan_is_not_cut_short_by_the_first_evaluations_compile(monkeypatch):
+    """The step-0 evaluation holds the kernels' compile (55 s on the H200,
+    later ones 2 s): a plan for 4.5 minutes fitted to that figure ran 47
+    steps in 2.2 minutes. The loop's own clock is faked: steps 0.5 s."""
+    from types import SimpleNamespace
+
+    clock = [1000.0]
+    monkeypatch.setattr(train.time, "time", lambda: clock[0])
+    evals = []
+
+    def evaluate(held, n):
+        clock[0] += 55.0 if not evals else 2.0
+        evals.append(clock[0])
+        return 5.0, 5.0
+
+    def step(window, lr):
+        clock[0] += 0.5
+        return 5.0, (5.0, 5.0, 1.0, 20.0)
+
+    recipe = SimpleNamespace(batch=16, seq=512, eval_every=100)
+    trainer = SimpleNamespace(recipe=recipe, trainee=SimpleNamespace(num_mtp=0), evaluate=evaluate,
+                              step=step, lr=lambda s, total: 1e-3)
+    plan = train.Plan(4000, minutes=4.5, t0=clock[0])
+    t_start = clock[0]
+    curve, steps = train.run(trainer, SimpleNamespace(next=lambda: None), None, plan, lambda m: None,
+                             judge=False)
+    used = clock[0] - t_start
+    # 270 s less the compile, the reserve (30 s) and the evaluations: ~340 steps fit
+    assert steps > 250, (steps, used)
+    assert used <= 4.5 * 60
