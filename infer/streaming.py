@@ -133,6 +133,7 @@ class LayerStack:
         # into the array's memory, or staged through MLX
         self.mode = copy_mode()
         self.kinds = [_copy_kind(s, cast, self.mode) for s in layout.segments]
+        self.in_place = all(kind is not None for kind in self.kinds)
         # the arrays' addresses: valid while the stack holds them (it never
         # replaces an array it writes in place)
         self._addr = [native.address(a) for a in self.arrays.values()] \
@@ -666,7 +667,7 @@ class ExpertStore:
             self._count_misses(layer, missing, hinted or set(), guessed)
         places = stack.assign(missing, set(wanted))
         bypassed = [e for e in missing if places[e] is None]
-        defer = defer and all(kind is not None for kind in stack.kinds)
+        defer = defer and stack.in_place
         if not bypassed:
             self._fill(layer, missing, lambda batch: stack.copy_in(
                 batch, [places[e] for e in batch.experts]), [stack], defer)
@@ -717,15 +718,16 @@ class ExpertStore:
     def settle(self):
         """Copy in the misses calls deferred (``gather``), before anything
         evaluates those calls' outputs."""
-        pending, self._pending = self._pending, []
-        for i, (layer, experts, copy, stacks) in enumerate(pending):
-            try:
-                self._fetch(layer, experts, copy)
-            except BaseException:
-                for _, missed, _, written in pending[i:]:
-                    for s in written:
-                        s.forget(missed)
-                raise
+        try:
+            while self._pending:
+                self._fetch(*self._pending[0][:3])
+                self._pending.pop(0)
+        except BaseException:
+            for _, missed, _, written in self._pending:
+                for s in written:
+                    s.forget(missed)
+            self._pending = []
+            raise
 
     def _aside(self, layer, layout, n):
         """A stack of at least ``n`` positions for a one-token call's bypassed
@@ -940,7 +942,7 @@ class StreamingExperts(nn.Module):
         # a decode call in a forward of the whole model does not wait for
         # its misses: they are read while the next layers' graphs are built
         # (host work on MLX CUDA and Metal), and copied in at the next sync
-        defer = store.deferring and decode
+        defer = store.deferring and decode and store.stack(layer).in_place
         started = early is not None  # hits-first started the misses' reads
         if hint_now or (defer and not started):
             stack = store.stack(layer)
