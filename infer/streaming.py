@@ -21,6 +21,7 @@ temporary compact stack.
 import copy
 import heapq
 import math
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -353,6 +354,13 @@ class ExpertStore:
         # the next layers' graphs are built
         self.deferring = False
         self._pending = []  # (layer, experts, copy, stacks written): reads to settle
+        # (output, thread) of the latest streamed call, evaluated by the next
+        # call's router sync in that thread: a caller may leave a forward
+        # lazy (a speculative rollback does), and its outputs must not read
+        # positions the next forward writes (every write comes after a
+        # sync). Not across threads: MLX evaluates a graph only with the
+        # streams of its own thread (the lockstep's threads take turns)
+        self.last_output = None
         self.gate = PredictionGate()  # whether prediction pays its host time (measured)
         self.reset_stats()
 
@@ -908,6 +916,9 @@ class StreamingExperts(nn.Module):
         # with none, while its experts compute (below). The sync evaluates
         # the earlier calls' outputs: the misses they deferred come in first.
         store.settle()
+        last = store.last_output
+        if last is not None and last[1] == threading.get_ident():
+            indices = mx.depends(indices, last[0])
         prof, layer = store.profiler, self._layout.layer
         t0 = time.monotonic_ns()
         rows = indices.size // indices.shape[-1]
@@ -1006,6 +1017,7 @@ class StreamingExperts(nn.Module):
         # y is evaluated; the module must not keep it alive until the layer's
         # next call (one per layer adds up to several layers' experts)
         self._bind(store.stacks[layer].arrays)
+        store.last_output = (y, threading.get_ident())
         return y
 
     def _hint(self, guesses, misses=None):

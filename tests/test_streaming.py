@@ -232,6 +232,43 @@ def test_a_decode_call_copies_its_misses_in_at_the_next_sync(synth_model, prep_m
     source.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("fraction", [16, 4])
+def test_a_forward_left_lazy_is_not_overwritten_by_the_next(synth_model, prep_model, arch, fraction):
+    """A caller may build the next forward before evaluating the last one (a
+    speculative rollback feeds its accepted tokens so): the next forward's
+    misses reuse positions the lazy one still reads. Every output, evaluated
+    at the end, equals mlx-lm's resident one bit for bit."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    src = synth_model(arch)
+    prep = prep_model(arch)
+    ref_model, tokenizer = mlx_load(str(src))
+    ids = tokenizer.encode(PROMPT + " " + PROMPT)
+    sizes = [6] + [1, 3, 1, 1, 2] * len(ids)
+    chunks, at = [], 0
+    for n in sizes:
+        if at >= len(ids):
+            break
+        chunks.append(ids[at:at + n])
+        at += n
+
+    def lazy_forwards(model):
+        cache = make_prompt_cache(model)
+        outs = [model(mx.array([c]), cache=cache) for c in chunks]  # none evaluated in between
+        mx.eval(outs)
+        return outs
+
+    expected = lazy_forwards(ref_model)
+    del ref_model
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // fraction, preload=False)
+    got = lazy_forwards(model)
+    source.close()
+    assert store.stats["misses"] > len(chunks)  # positions were reused
+    assert [i for i, (a, b) in enumerate(zip(expected, got)) if not mx.array_equal(a, b).item()] == []
+
+
 def test_a_streaming_session_turns_mlx_cuda_graphs_off(prep_model, monkeypatch):
     """Where some layer streams, MLX_USE_CUDA_GRAPHS=0 is set before the
     model is loaded (read by MLX CUDA at its first evaluation); with every
