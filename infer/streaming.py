@@ -953,10 +953,10 @@ class StreamingExperts(nn.Module):
         # a decode call in a forward of the whole model does not wait for
         # its misses: they are read while the next layers' graphs are built
         # (host work on MLX CUDA and Metal), and copied in at the next sync
-        defer = store.deferring and decode and store.stack(layer).in_place
+        stack = store.stack(layer)
+        defer = store.deferring and decode and stack.in_place
         started = early is not None  # hits-first started the misses' reads
         if hint_now or (defer and not started):
-            stack = store.stack(layer)
             misses = [e for e in unique if e not in stack]
             if misses and not hint_now:
                 store.start_reads(layer, misses)
