@@ -684,8 +684,12 @@ class ExpertStore:
         # as the layer's (a cast, a CUDA copy); a one-token call computes
         # them apart, any other runs on a compact stack of every wanted
         # expert (more experts than the stack holds: a long prefill)
-        side = self._aside(layer, stack.layout, len(bypassed)) if split else \
-            LayerStack(stack.layout, len(bypassed), self.dtype)
+        try:
+            side = self._aside(layer, stack.layout, len(bypassed)) if split else \
+                LayerStack(stack.layout, len(bypassed), self.dtype)
+        except BaseException:  # out of memory, an interrupt: the placed misses never come
+            stack.forget(missing)
+            raise
         where = {e: i for i, e in enumerate(bypassed)}
 
         def copy(batch):
@@ -771,8 +775,8 @@ class ExpertStore:
                 continue
             places = stack.assign(want, set(want))
             want = [e for e in want if places[e] is not None]
-            self._fetch(layer, want, lambda batch: stack.copy_in(
-                batch, [places[e] for e in batch.experts]))
+            self._fill(layer, want, lambda batch: stack.copy_in(
+                batch, [places[e] for e in batch.experts]), [stack], defer=False)
             n += len(want)
         return n
 

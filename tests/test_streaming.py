@@ -269,6 +269,106 @@ def test_a_forward_left_lazy_is_not_overwritten_by_the_next(synth_model, prep_mo
     assert [i for i, (a, b) in enumerate(zip(expected, got)) if not mx.array_equal(a, b).item()] == []
 
 
+def test_a_gather_that_fails_before_its_copies_leaves_no_expert_cached(synth_model, prep_model,
+                                                                       monkeypatch):
+    """A call's misses are placed (LayerStack.assign) before they are copied
+    in; a failure in between (here the compact stack of a prefill that does
+    not fit the cache cannot be allocated) leaves none of them cached, as a
+    failed copy does: the next request on the same store (infer serve goes
+    on) decodes mlx-lm's ids, not experts whose bytes never came."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from infer import streaming
+
+    src = synth_model("qwen3_moe")
+    prep = prep_model("qwen3_moe")
+    ref_model, tokenizer = mlx_load(str(src))
+    ids = tokenizer.encode(PROMPT)
+    expected = greedy(ref_model, ids, n=24)
+    del ref_model
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // 16, preload=False)
+    for layer in store.layouts:
+        store.stack(layer)  # made now: the only stack made below is the prefill's compact one
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[malloc] Unable to allocate")
+
+    monkeypatch.setattr(streaming, "LayerStack", out_of_memory)
+    with pytest.raises(RuntimeError, match="allocate"):
+        model(mx.array([ids]), cache=make_prompt_cache(model))
+    monkeypatch.setattr(streaming, "LayerStack", LayerStack)
+    cached = {layer: sorted(s.position) for layer, s in store.stacks.items() if s.position}
+    got = greedy(model, ids, n=24)
+    source.close()
+    assert cached == {}
+    assert got == expected
+
+
+@pytest.mark.parametrize("fraction", [16, 4])
+def test_batch_generate_equals_resident(synth_model, prep_model, fraction):
+    """mlx-lm's batch_generate on a streamed model: prompts of different
+    lengths, calls of several rows, the same ids as the resident model."""
+    from mlx_lm.generate import batch_generate
+
+    src = synth_model("qwen3_moe")
+    prep = prep_model("qwen3_moe")
+    ref_model, tokenizer = mlx_load(str(src))
+    prompts = [tokenizer.encode(p) for p in (PROMPT, "Once upon a time", PROMPT + " four five six seven")]
+
+    def run(model):
+        return batch_generate(model, tokenizer, prompts, max_tokens=20).texts
+
+    expected = run(ref_model)
+    del ref_model
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // fraction, preload=False)
+    got = run(model)
+    source.close()
+    assert store.stats["misses"] > 0
+    assert got == expected
+
+
+@pytest.mark.parametrize("mtp_cache", [False, True])
+def test_the_mtp_head_between_two_lazy_forwards(synth_model, prep_model, mtp_cache):
+    """The MTP head (its own stack, the kept aside stacks it shares with the
+    main layers' shape) called between forwards of two sequences, one through
+    the model's __call__ (deferred copies) and one through model.model (none),
+    all left lazy: the same bits as each evaluated at once."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from infer.mtp import load_mtp
+    from shared.blob import Manifest
+
+    prep = prep_model("qwen3_next")
+    _, tokenizer = mlx_load(str(synth_model("qwen3_next")))
+    ids = tokenizer.encode(PROMPT + " " + PROMPT)
+
+    def run(eager):
+        source = InprocSource(prep, arena=64 << 20)
+        model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // 16,
+                                         preload=False, mtp_cache=mtp_cache)
+        head = load_mtp(prep, model, store, Manifest.load(prep))
+        first, second = make_prompt_cache(model), make_prompt_cache(model)
+        head_cache = [KVCache() for _ in head.layers]
+        outs = []
+        for i in range(len(ids) - 1):
+            h = model.model(mx.array([[ids[i]]]), first)
+            outs.append(h)
+            outs.append(head(h, model.model.embed_tokens(mx.array([[ids[i + 1]]])), head_cache))
+            outs.append(model(mx.array([[ids[-1 - i]]]), cache=second))
+            if eager:
+                mx.eval(outs[-3:])
+        mx.eval(outs)
+        source.close()
+        return outs, store.stats["misses"]
+
+    eager, eager_misses = run(True)
+    lazy, lazy_misses = run(False)
+    assert eager_misses == lazy_misses > 0
+    assert [i for i, (a, b) in enumerate(zip(eager, lazy)) if not mx.array_equal(a, b).item()] == []
+
+
 def test_a_streaming_session_turns_mlx_cuda_graphs_off(prep_model, monkeypatch):
     """Where some layer streams, MLX_USE_CUDA_GRAPHS=0 is set before the
     model is loaded (read by MLX CUDA at its first evaluation); with every
