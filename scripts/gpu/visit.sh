@@ -111,7 +111,8 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
 ab)  # the working tree against an older copy of the code (AB_BASE, a folder holding infer/ iod/ shared/
   # native/), alternating, on the trained model: `infer bench` at BUDGET, ROUNDS rounds of each
   base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
-  [ -f "$base"/native/_iodnative*.so ] 2>/dev/null || cp native/_iodnative*.so "$base/native/"
+  # the native module this checkout imports (a carried base has none; the glob missed it once)
+  cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
   for r in $(seq ${ROUNDS:-2}); do for side in base new; do
     dir=$PWD; [ $side = base ] && dir=$base
     log "round $r $side"
