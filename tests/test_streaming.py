@@ -159,6 +159,20 @@ def test_mtp_layers_share_the_cache_only_when_drafting(prep_model):
     assert runs[False][1]["misses"] < runs[True][1]["misses"]  # the main layers hold more
 
 
+def _qwen3_moe_streamed(synth_model, prep_model, fraction):
+    """(prompt ids, mlx-lm's 24 greedy ids, source, streamed model, store)
+    for the qwen3_moe with 1/``fraction`` of its experts cached."""
+    src = synth_model("qwen3_moe")
+    prep = prep_model("qwen3_moe")
+    ref_model, tokenizer = mlx_load(str(src))
+    ids = tokenizer.encode(PROMPT)
+    expected = greedy(ref_model, ids, n=24)
+    del ref_model
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // fraction, preload=False)
+    return ids, expected, source, model, store
+
+
 @pytest.mark.parametrize("hits_first", [False, True])
 def test_a_decode_call_copies_its_misses_in_at_the_next_sync(synth_model, prep_model, monkeypatch,
                                                             hits_first):
@@ -170,15 +184,7 @@ def test_a_decode_call_copies_its_misses_in_at_the_next_sync(synth_model, prep_m
     the settle leaves none of its experts cached, and decoding goes on."""
     from infer import streaming
 
-    src = synth_model("qwen3_moe")
-    prep = prep_model("qwen3_moe")
-    ref_model, tokenizer = mlx_load(str(src))
-    ids = tokenizer.encode(PROMPT)
-    expected = greedy(ref_model, ids, n=24)
-    del ref_model
-
-    source = InprocSource(prep, arena=64 << 20)
-    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // 8, preload=False)
+    ids, expected, source, model, store = _qwen3_moe_streamed(synth_model, prep_model, 8)
     store.hits_first = hits_first
     events = []
     call, fetch = streaming.StreamingExperts.__call__, source.fetch_into
@@ -232,6 +238,17 @@ def test_a_decode_call_copies_its_misses_in_at_the_next_sync(synth_model, prep_m
     source.close()
 
 
+def _resident_then_streamed(run, ref_model, prep, fraction):
+    """(run(resident model), run(streamed model), its store), with
+    1/``fraction`` of the experts cached."""
+    expected = run(ref_model)
+    source = InprocSource(prep, arena=64 << 20)
+    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // fraction, preload=False)
+    got = run(model)
+    source.close()
+    return expected, got, store
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
 @pytest.mark.parametrize("fraction", [16, 4])
 def test_a_forward_left_lazy_is_not_overwritten_by_the_next(synth_model, prep_model, arch, fraction):
@@ -259,12 +276,7 @@ def test_a_forward_left_lazy_is_not_overwritten_by_the_next(synth_model, prep_mo
         mx.eval(outs)
         return outs
 
-    expected = lazy_forwards(ref_model)
-    del ref_model
-    source = InprocSource(prep, arena=64 << 20)
-    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // fraction, preload=False)
-    got = lazy_forwards(model)
-    source.close()
+    expected, got, store = _resident_then_streamed(lazy_forwards, ref_model, prep, fraction)
     assert store.stats["misses"] > len(chunks)  # positions were reused
     assert [i for i, (a, b) in enumerate(zip(expected, got)) if not mx.array_equal(a, b).item()] == []
 
@@ -280,14 +292,7 @@ def test_a_gather_that_fails_before_its_copies_leaves_no_expert_cached(synth_mod
 
     from infer import streaming
 
-    src = synth_model("qwen3_moe")
-    prep = prep_model("qwen3_moe")
-    ref_model, tokenizer = mlx_load(str(src))
-    ids = tokenizer.encode(PROMPT)
-    expected = greedy(ref_model, ids, n=24)
-    del ref_model
-    source = InprocSource(prep, arena=64 << 20)
-    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // 16, preload=False)
+    ids, expected, source, model, store = _qwen3_moe_streamed(synth_model, prep_model, 16)
     for layer in store.layouts:
         store.stack(layer)  # made now: the only stack made below is the prefill's compact one
 
@@ -319,12 +324,7 @@ def test_batch_generate_equals_resident(synth_model, prep_model, fraction):
     def run(model):
         return batch_generate(model, tokenizer, prompts, max_tokens=20).texts
 
-    expected = run(ref_model)
-    del ref_model
-    source = InprocSource(prep, arena=64 << 20)
-    model, _, store = load_streaming(prep, source, source.manifest.expert_bytes // fraction, preload=False)
-    got = run(model)
-    source.close()
+    expected, got, store = _resident_then_streamed(run, ref_model, prep, fraction)
     assert store.stats["misses"] > 0
     assert got == expected
 
