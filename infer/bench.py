@@ -489,6 +489,12 @@ def worker(args) -> dict:
         "precision": pred.get(1, {}).get("precision"),
         "prediction": {str(d): v for d, v in pred.items()},
         "stall_s_per_token": med(r["stall_s_per_token"] for r in runs),
+        # the bytes bound: a token takes no less than its records' bytes read
+        # at the disk's ceiling (iod doctor's, or --read-rate's cap); None
+        # where the disk is unprofiled and uncapped
+        "read_ceiling_bytes_s": read_ceiling(store, args.read_rate),
+        "time_over_bytes_bound": time_over_bytes_bound(
+            result["decode_tok_s"], last["bytes_read_per_token"], read_ceiling(store, args.read_rate)),
         # records into the stacks: how (streaming.copy_mode), the time a token,
         # the rate (decode), and on CUDA whether the arena's mapping is pinned
         # (a refused cudaHostRegister leaves pageable copies, several times slower)
@@ -534,6 +540,21 @@ def worker(args) -> dict:
     if args.draft != "none":
         result["draft"] = bench_draft.measure(args, mode, model, tokenizer, store, manifest, arena)
     return result
+
+
+def read_ceiling(store, read_rate_mb):
+    """Bytes/s the disk can give at best: the doctor's ceiling for the model's
+    disk, lowered to ``--read-rate`` (MB/s) where that caps the reads."""
+    rates = [r for r in (store.disk_ceiling, read_rate_mb * 1e6 if read_rate_mb else None) if r]
+    return min(rates) if rates else None
+
+
+def time_over_bytes_bound(tok_s, bytes_per_token, rate):
+    """A decode token's time over its bytes' time at ``rate`` (issue 15's
+    measure: 1.0 is a token that costs only its reads); None if unknown."""
+    if not rate or not bytes_per_token or not tok_s:
+        return None
+    return (1 / tok_s) / (bytes_per_token / rate)
 
 
 # ---- orchestration ------------------------------------------------------------------
@@ -617,7 +638,7 @@ def merge_ranks(ranks) -> dict:
                     for r in sorted(ranks, key=lambda r: r["rank"])]
     out.pop("rank", None)
     out.pop("moe_layers", None)
-    return out
+    return _with_bound(out)
 
 
 def merge_runs(runs) -> dict:
@@ -640,7 +661,15 @@ def merge_runs(runs) -> dict:
         out["decode_s_per_token"] = med(r["decode_s_per_token"] for r in runs)
     if any(r["tokens"] != out["tokens"] for r in runs):
         raise RuntimeError(f"mode {out['mode']}: tokens differ between runs")
-    return out
+    return _with_bound(out)
+
+
+def _with_bound(m) -> dict:
+    """``m`` with its time over the bytes bound from its merged figures."""
+    if "read_ceiling_bytes_s" in m:
+        m["time_over_bytes_bound"] = time_over_bytes_bound(
+            m["decode_tok_s"], m["bytes_read_per_token"], m["read_ceiling_bytes_s"])
+    return m
 
 
 def run_sessions(args, tmp, shared: bool) -> dict:
@@ -727,12 +756,13 @@ def _host_cell(m) -> str:
 
 def table(report) -> str:
     rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "stall ms/tok",
-             "host ms/tok (predict, on)", "hit", "misses", "belady", "MB/tok", "recall/prec d1 d2 d3",
+             "host ms/tok (predict, on)", "hit", "misses", "belady", "MB/tok", "/bound",
+             "recall/prec d1 d2 d3",
              "unused MB", "rss infer", "rss iod")]
     for name, m in report["modes"].items():
         if "skipped" in m or "error" in m:
             why = ("skipped: " + m["skipped"]) if "skipped" in m else "failed"
-            rows.append((name, why) + ("",) * 13)
+            rows.append((name, why) + ("",) * 14)
             continue
         rows.append((
             name, _fmt(m["decode_tok_s"], ".2f"),
@@ -741,7 +771,8 @@ def table(report) -> str:
             _fmt(m.get("stall_s_per_token", 0.0) * 1e3, ".2f"),
             _host_cell(m),
             _fmt(m["hit_rate"], ".3f"), str(m["misses"]), _fmt(m["belady_misses"], "d"),
-            _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _prediction_cell(m),
+            _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _fmt(m.get("time_over_bytes_bound"), ".2f"),
+            _prediction_cell(m),
             _fmt(m.get("prefetch_unused_bytes", 0) / 1e6, ".2f"), format_size(m["peak_rss_infer"]),
             format_size(m["peak_rss_iod"]) if m["peak_rss_iod"] else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -100,6 +100,21 @@ def test_bench_without_prediction(prep_model, tmp_path):
     assert m["predict_s_per_token"] == 0 and m["prefetched_bytes"] == 0 and m["recall"] is None
 
 
+def test_bench_reports_the_time_over_the_bytes_bound(prep_model, tmp_path, monkeypatch):
+    """A token's time over its records' bytes read at the disk's ceiling:
+    with reads capped (--read-rate) the cap is the ceiling; with an
+    unprofiled disk and no cap there is no bound to report."""
+    monkeypatch.setenv("IOD_DISK_PROFILE", str(tmp_path / "none.json"))  # no profile
+    prep = prep_model("qwen3_moe")
+    capped = short_bench(prep, tmp_path, "sync", "--read-rate", "400")["modes"]["sync"]
+    assert capped["read_ceiling_bytes_s"] == 400e6
+    bound_s = capped["bytes_read_per_token"] / 400e6
+    assert bound_s > 0
+    assert capped["time_over_bytes_bound"] == pytest.approx(1 / capped["decode_tok_s"] / bound_s)
+    free = short_bench(prep, tmp_path, "sync")["modes"]["sync"]
+    assert free["read_ceiling_bytes_s"] is None and free["time_over_bytes_bound"] is None
+
+
 def test_bench_sessions_share_one_daemon(prep_model, tmp_path):
     prep = prep_model("qwen3_moe")
     out = tmp_path / "bench.json"
