@@ -468,6 +468,7 @@ def worker(args) -> dict:
             result["draft"] = bench_draft.measure(args, mode, model, tokenizer, None, manifest, arena)
         return result
     capacity = {l: s.capacity for l, s in store.stacks.items()}
+    ceiling = read_ceiling(store, args.read_rate)
     if g is not None:
         layers = sorted(l.layer for l in manifest.layers)
         result.update({"rank": g.rank(), "moe_layers": [layers[0], layers[-1] + 1] if layers else []})
@@ -492,9 +493,9 @@ def worker(args) -> dict:
         # the bytes bound: a token takes no less than its records' bytes read
         # at the disk's ceiling (iod doctor's, or --read-rate's cap); None
         # where the disk is unprofiled and uncapped
-        "read_ceiling_bytes_s": read_ceiling(store, args.read_rate),
-        "time_over_bytes_bound": time_over_bytes_bound(
-            result["decode_tok_s"], last["bytes_read_per_token"], read_ceiling(store, args.read_rate)),
+        "read_ceiling_bytes_s": ceiling,
+        "time_over_bytes_bound": time_over_bytes_bound(result["decode_tok_s"],
+                                                       last["bytes_read_per_token"], ceiling),
         # records into the stacks: how (streaming.copy_mode), the time a token,
         # the rate (decode), and on CUDA whether the arena's mapping is pinned
         # (a refused cudaHostRegister leaves pageable copies, several times slower)

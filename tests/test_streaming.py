@@ -305,9 +305,24 @@ def test_a_gather_that_fails_before_its_copies_leaves_no_expert_cached(synth_mod
     monkeypatch.setattr(streaming, "LayerStack", LayerStack)
     cached = {layer: sorted(s.position) for layer, s in store.stacks.items() if s.position}
     got = greedy(model, ids, n=24)
-    source.close()
     assert cached == {}
     assert got == expected
+
+    # nor does a cold-start preload whose read fails
+    for stack in store.stacks.values():
+        stack.forget(list(stack.position))  # room to preload
+    tried = []
+
+    def failing_fetch(layer, experts, sink):
+        tried.append((layer, list(experts)))
+        raise OSError("injected")
+
+    monkeypatch.setattr(source, "fetch_into", failing_fetch)
+    with pytest.raises(OSError):
+        store.preload()
+    source.close()
+    ((layer, experts),) = tried
+    assert experts and not set(experts) & set(store.stack(layer).position)
 
 
 @pytest.mark.parametrize("fraction", [16, 4])
