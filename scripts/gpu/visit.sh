@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
+#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -130,6 +130,16 @@ gate)  # the prediction gate (infer/gate.py): iod with prediction on, measured (
       timeout ${BENCH_S:-150} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget $b --modes $modes \
         --predict $p --runs ${RUNS:-2} --max-tokens ${TOKENS:-160} --prompt @pycode --raw-prompt \
         --json "$OUT/gate-$r-$b-$p.json" 2>&1 | tail -3
+    done
+  done; done ;;
+depth)  # prediction's host cost against its depth: --predict on at depths 1 and 3, and off, alternating
+  for r in $(seq ${ROUNDS:-2}); do for b in ${BUDGETS:-0.25 0.1}; do
+    for d in ${DEPTHS:-1 3 0}; do
+      p=on; [ $d = 0 ] && p=off && d=3
+      log "round $r budget $b predict $p depth $d"
+      timeout ${BENCH_S:-90} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget $b --modes iod \
+        --predict $p --depth $d --runs 1 --max-tokens ${TOKENS:-160} --prompt @pycode --raw-prompt \
+        --json "$OUT/depth-$r-$b-$p-$d.json" 2>&1 | tail -1
     done
   done; done ;;
 hitsab)  # A/B of a token's cached experts computed while its misses are read (--hits-first on|off)
