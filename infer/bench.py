@@ -468,7 +468,6 @@ def worker(args) -> dict:
             result["draft"] = bench_draft.measure(args, mode, model, tokenizer, None, manifest, arena)
         return result
     capacity = {l: s.capacity for l, s in store.stacks.items()}
-    ceiling = read_ceiling(store, args.read_rate)
     if g is not None:
         layers = sorted(l.layer for l in manifest.layers)
         result.update({"rank": g.rank(), "moe_layers": [layers[0], layers[-1] + 1] if layers else []})
@@ -492,10 +491,8 @@ def worker(args) -> dict:
         "stall_s_per_token": med(r["stall_s_per_token"] for r in runs),
         # the bytes bound: a token takes no less than its records' bytes read
         # at the disk's ceiling (iod doctor's, or --read-rate's cap); None
-        # where the disk is unprofiled and uncapped
-        "read_ceiling_bytes_s": ceiling,
-        "time_over_bytes_bound": time_over_bytes_bound(result["decode_tok_s"],
-                                                       last["bytes_read_per_token"], ceiling),
+        # where the disk is unprofiled and uncapped (time_over_bytes_bound)
+        "read_ceiling_bytes_s": read_ceiling(store, args.read_rate),
         # records into the stacks: how (streaming.copy_mode), the time a token,
         # the rate (decode), and on CUDA whether the arena's mapping is pinned
         # (a refused cudaHostRegister leaves pageable copies, several times slower)
@@ -534,6 +531,7 @@ def worker(args) -> dict:
         # of those, calls of whole layers (the resident call: no sync)
         "whole_calls": last["whole_calls"],
     })
+    _with_bound(result)
     if daemon_read:
         # everything read from disk, prefetches that were never used included
         result["disk_bytes_read"] = daemon_read[-1]
@@ -548,14 +546,6 @@ def read_ceiling(store, read_rate_mb):
     disk, lowered to ``--read-rate`` (MB/s) where that caps the reads."""
     rates = [r for r in (store.disk_ceiling, read_rate_mb * 1e6 if read_rate_mb else None) if r]
     return min(rates) if rates else None
-
-
-def time_over_bytes_bound(tok_s, bytes_per_token, rate):
-    """A decode token's time over its bytes' time at ``rate`` (issue 15's
-    measure: 1.0 is a token that costs only its reads); None if unknown."""
-    if not rate or not bytes_per_token or not tok_s:
-        return None
-    return (1 / tok_s) / (bytes_per_token / rate)
 
 
 # ---- orchestration ------------------------------------------------------------------
@@ -666,10 +656,12 @@ def merge_runs(runs) -> dict:
 
 
 def _with_bound(m) -> dict:
-    """``m`` with its time over the bytes bound from its merged figures."""
+    """``m`` with ``time_over_bytes_bound``: a decode token's time over its
+    bytes' time at the read ceiling (issue 15's measure: 1.0 is a token that
+    costs only its reads), from its own (merged) figures; None if unknown."""
     if "read_ceiling_bytes_s" in m:
-        m["time_over_bytes_bound"] = time_over_bytes_bound(
-            m["decode_tok_s"], m["bytes_read_per_token"], m["read_ceiling_bytes_s"])
+        rate, nbytes, tok_s = m["read_ceiling_bytes_s"], m["bytes_read_per_token"], m["decode_tok_s"]
+        m["time_over_bytes_bound"] = (1 / tok_s) / (nbytes / rate) if rate and nbytes and tok_s else None
     return m
 
 
