@@ -329,7 +329,9 @@ class ExpertStore:
         self.stacks = {}
         self.depth = depth
         self.calibration = calibration  # an infer.predict.Calibration, or None
-        self._maps = {}  # (layer, next layer) -> (W, b) as MLX arrays, made on first use
+        # (layer, next layers) -> their linear maps side by side (W, b), as
+        # MLX arrays, made on first use
+        self._maps = {}
         self.routers = {}  # layer -> (router module, top k)
         self.next_layers = {}  # layer -> the MoE layers after it, in order
         self._order = {}  # layer -> its place among them
@@ -430,14 +432,19 @@ class ExpertStore:
                 for l, e in self.trace or []]
 
     def predict(self, layer, x):
-        """Lazy guesses for the next layers: [(layer, depth, ids best first,
-        use per rank or None, breadth)]. The predictor's guess is the first
-        ``breadth`` ids; where the calibration measured how often each rank
-        is used, the ids go on to its last measured rank (reads for spare
-        disk time: ``predict.plan``)."""
-        out = []
+        """Lazy guesses for the next layers: [(layer, depth, ids, use per rank
+        or None, breadth)]. The predictor's guess is the first ``breadth`` ids;
+        where the calibration measured how often each rank is used, the ids go
+        on to its last measured rank (reads for spare disk time:
+        ``predict.plan``). ``ids``, best first, are numpy (the recent
+        experts) or lazy, (MLX array [rows, guesses, ranks], j, n): the first
+        n ranks of its guess j, read back by ``read_guesses``. The linear maps
+        of one call go as one matmul and one sort: on MLX CUDA each op is a
+        kernel launch, and a call guesses up to ``depth`` layers."""
+        out, linear = [], {}  # linear: experts -> [(place in out, next layer, ranks)]
         cal = self.calibration
         module = self.layouts[layer].module if layer in self.layouts else None
+        rows = x.size // x.shape[-1]
         for d, nxt in enumerate(self.next_layers.get(layer, [])[: self.depth], 1):
             if nxt in self.stacks and self.stacks[nxt].complete:
                 continue  # a whole layer: nothing to read, nothing to score
@@ -447,27 +454,59 @@ class ExpertStore:
             recent = self._recent.get(nxt) if name == "temporal" else None
             if name == "temporal" and recent is None:
                 name, use = "router", None
-            if name == "linear" and (layer, nxt) not in self._maps:
-                wb = cal.maps.get((module, self.layouts[nxt].module))
-                if wb is None:  # fitted for other layers than these (an MTP head's)
-                    name, use, breadth = "router", None, k
-                else:
-                    self._maps[(layer, nxt)] = (mx.array(wb[0]), mx.array(wb[1]))
+            if name == "linear" and (module, self.layouts[nxt].module) not in cal.maps:
+                name, use, breadth = "router", None, k  # fitted for other layers (an MTP head's)
             wide = max(breadth, len(use)) if use is not None else breadth
             if name == "linear":
-                w, b = self._maps[(layer, nxt)]
-                ids = predict.ranked(predict.linear_scores(x.reshape(-1, x.shape[-1]), w, b), wide)
+                linear.setdefault(self.layouts[nxt].num_experts, []).append((len(out), nxt, wide))
+                ids = None
             elif name == "temporal":
-                ids = mx.array(np.array(recent)[None])
+                ids = np.array(recent)[None]
                 breadth = len(recent)  # the recent experts are the guess, all of them
             else:
                 scores = router(x)
                 if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
                     ids, use = scores[0], None
+                    ids = (ids.reshape(rows, 1, ids.shape[-1]), 0, ids.shape[-1])
                 else:
-                    ids = predict.ranked(scores, wide)
+                    ids = (predict.ranked(scores, wide).reshape(rows, 1, wide), 0, wide)
             out.append((nxt, d, ids, use, breadth))
+        for n_experts, group in linear.items():
+            key = (layer, tuple(nxt for _, nxt, _ in group))
+            if key not in self._maps:
+                wbs = [cal.maps[(module, self.layouts[nxt].module)] for _, nxt, _ in group]
+                self._maps[key] = (mx.array(np.concatenate([w for w, _ in wbs], axis=1)),
+                                   mx.array(np.concatenate([b for _, b in wbs])))
+            w, b = self._maps[key]
+            scores = predict.linear_scores(x.reshape(rows, x.shape[-1]), w, b)
+            order = predict.ranked(scores.reshape(rows, len(group), n_experts), max(g[2] for g in group))
+            for j, (i, _, wide) in enumerate(group):
+                out[i] = (*out[i][:2], (order, j, wide), *out[i][3:])
         return out
+
+    @staticmethod
+    def read_guesses(indices, guesses):
+        """A call's routed ``indices`` and its ``guesses``' lazy ids read back
+        in one sync (on MLX CUDA each host read of device memory costs):
+        (ids, the guesses with numpy ids)."""
+        lazy, place = [indices], {}
+        for g in guesses:
+            if isinstance(g[2], tuple) and id(g[2][0]) not in place:
+                place[id(g[2][0])] = len(lazy)
+                lazy.append(g[2][0])
+        if len(lazy) == 1:
+            return np.array(indices), guesses
+        flat = np.array(mx.concatenate([a.reshape(-1).astype(mx.uint32) for a in lazy]))
+        ends = np.cumsum([0] + [a.size for a in lazy])
+        host = [flat[a:b].reshape(arr.shape) for arr, a, b in zip(lazy, ends, ends[1:])]
+        out = []
+        for g in guesses:
+            ids = g[2]
+            if isinstance(ids, tuple):
+                arr, j, n = ids
+                ids = host[place[id(arr)]][:, j, :n]
+            out.append((*g[:2], ids, *g[3:]))
+        return host[0], out
 
     def prefetch(self, guesses, misses=None):
         """Score ``guesses`` when their layers are called, and hint the source
@@ -928,15 +967,7 @@ class StreamingExperts(nn.Module):
         rows = indices.size // indices.shape[-1]
         guesses = store.predict(layer, x) if store.begin_call(layer, rows) else []
         t1 = time.monotonic_ns()
-        if guesses:
-            parts = [indices] + [g[2] for g in guesses]
-            flat = np.array(mx.concatenate([a.reshape(-1).astype(mx.uint32) for a in parts]))
-            ends = np.cumsum([a.size for a in parts])
-            ids = flat[: ends[0]].reshape(indices.shape)
-            guesses = [(g[0], g[1], flat[a:b].reshape(g[2].shape), *g[3:])
-                       for g, a, b in zip(guesses, ends[:-1], ends[1:])]
-        else:
-            ids = np.array(indices)
+        ids, guesses = store.read_guesses(indices, guesses)
         t2 = time.monotonic_ns()
         io = store.io_s
         if prof:  # the compute since the previous sync, up to this router

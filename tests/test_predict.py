@@ -406,3 +406,37 @@ def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
         assert store.layer_s == pytest.approx(0.003)
     finally:
         source.close()
+
+
+def test_a_calls_linear_guesses_are_one_sort_and_read_back_with_its_ids(calibrated):
+    """The linear maps of a call's next layers go as one matmul and one sort,
+    read back in the call's one sync: the same ids, per layer and depth, as
+    each map applied on its own."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
+        cal = store.calibration
+        for (m, d) in list(cal.choice):  # every layer and depth linear, with its measured ranks
+            cal.choice[(m, d)] = ("linear", cal.choice[(m, d)][1])
+        layer = min(store.next_layers)
+        module = store.layouts[layer].module
+        x = mx.random.normal((1, 2, 128), key=mx.random.key(3))
+        indices = mx.array([[[1, 2], [3, 4]]], dtype=mx.uint32)
+        guesses = store.predict(layer, x)
+        assert [g[:2] for g in guesses] == [(layer + d, d) for d in (1, 2, 3)]
+        assert len({id(g[2][0]) for g in guesses}) == 1  # one sorted array for the three
+        ids, read = store.read_guesses(indices, guesses)
+        assert ids.tolist() == [[[1, 2], [3, 4]]]
+        for nxt, d, got, use, breadth in read:
+            w, b = cal.maps[(module, store.layouts[nxt].module)]
+            wide = max(breadth, len(use))
+            alone = predict.ranked(predict.linear_scores(x.reshape(2, 128), mx.array(w), mx.array(b)), wide)
+            assert got.shape == (2, wide) and got.tolist() == np.array(alone).tolist()
+    finally:
+        source.close()

@@ -109,7 +109,7 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
 ab)  # the working tree against an older copy of the code (AB_BASE, a folder holding infer/ iod/ shared/
-  # native/), alternating, on the trained model: `infer bench` at BUDGET, ROUNDS rounds of each
+  # native/), alternating, on the trained model: `infer bench` at BUDGET and PREDICT, ROUNDS rounds of each
   base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
   # the native module this checkout imports (a carried base has none; the glob missed it once)
   cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
@@ -118,7 +118,7 @@ ab)  # the working tree against an older copy of the code (AB_BASE, a folder hol
     log "round $r $side"
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.bench \
       --model "$W/p-${ARCH:-qwen3_next}" --budget ${BUDGET:-0.25} --modes ${MODES:-iod} --runs ${RUNS:-3} \
-      --max-tokens ${TOKENS:-48} --prompt @pycode --raw-prompt --json "$OUT/ab-$r-$side.json" 2>&1 | tail -3)
+      --predict ${PREDICT:-auto} --max-tokens ${TOKENS:-48} --prompt @pycode --raw-prompt --json "$OUT/ab-$r-$side.json" 2>&1 | tail -3)
   done; done ;;
 gate)  # the prediction gate (infer/gate.py): iod with prediction on, measured (auto) and off (beside
   # sync), long enough for the gate to probe; the order reversed every round
