@@ -271,15 +271,15 @@ def plan(candidates, reads_in, record_bytes, pending=0):
     need = sum(1 for c in wanted if c[1] == sure[0])
     deepest = next((d for d in sure if cap[d] >= need + pending), sure[-1])
     chosen, due = [], {d: pending for d in depths}  # records due within d calls
+    later = {d: [D for D in depths if D >= d] for d in depths}
 
     def take(pool, limit):
         for c in sorted(pool, key=lambda c: (-c[0], c[1])):
             d = c[1]
             if d > deepest:
                 continue
-            later = [D for D in depths if D >= d]
-            if all(due[D] + 1 <= limit * cap[D] for D in later):
-                for D in later:
+            if all(due[D] + 1 <= limit * cap[D] for D in later[d]):
+                for D in later[d]:
                     due[D] += 1
                 chosen.append(c)
 

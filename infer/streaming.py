@@ -523,22 +523,21 @@ class ExpertStore:
                 continue  # still scored: prefetch resumes if guesses improve
             right, guessed = self._precision[d] if d < len(self._precision) else (1.0, 1.0)
             online = right / guessed if guessed >= self.PREFETCH_WARMUP else 1.0
-            stack = self.stack(layer)
-            hinted = self._hinted.get(layer, set())
-            rank = {}
-            for row in rows:
-                for r, e in enumerate(row.tolist()):
-                    rank[e] = min(rank.get(e, r), r)
+            # each expert's best rank over the rows: the first it takes in
+            # rank order (built from the end: a dict keeps the last value)
+            n, width = rows.shape
+            rank = dict(zip(rows.T.ravel()[::-1].tolist(), np.repeat(np.arange(width), n)[::-1].tolist()))
             # what a read would bring: not cached, not hinted, not ready in the arena
-            fresh = [e for e in rank if e not in stack and e not in hinted]
+            fresh = rank.keys() - self.stack(layer).position.keys() - self._hinted.get(layer, set())
             not_ready = getattr(self.source, "not_ready", None)
-            fresh = set(not_ready(layer, fresh)) if not_ready and fresh else set(fresh)
-            for e, r in rank.items():
-                if e in fresh:
-                    p = float(use[r]) if use is not None and r < len(use) else online
-                    if r >= breadth:  # past the predictor's guess: read in spare disk time only
-                        p = min(p, SPARE_ONLY)
-                    candidates.append((p, d, layer, e))
+            if not_ready and fresh:
+                fresh = not_ready(layer, fresh)
+            for e in sorted(fresh, key=lambda e: (rank[e], e)):  # plan breaks ties in this order
+                r = rank[e]
+                p = float(use[r]) if use is not None and r < len(use) else online
+                if r >= breadth:  # past the predictor's guess: read in spare disk time only
+                    p = min(p, SPARE_ONLY)
+                candidates.append((p, d, layer, e))
         if not candidates:
             if misses:
                 self.start_reads(*misses)

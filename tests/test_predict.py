@@ -440,3 +440,26 @@ def test_a_calls_linear_guesses_are_one_sort_and_read_back_with_its_ids(calibrat
             assert got.shape == (2, wide) and got.tolist() == np.array(alone).tolist()
     finally:
         source.close()
+
+
+def test_equal_guesses_are_read_best_rank_first_when_time_is_short(calibrated):
+    """Guesses of one use (no measured use per rank) compete for the reads
+    that fit in time by rank: the best ranked are hinted, each expert at its
+    best rank over a call's rows, cached and hinted ones left out."""
+    from iod.inproc import InprocSource
+
+    from infer.loader import load_streaming
+
+    folder = calibrated("qwen3_moe")
+    source = InprocSource(folder)
+    try:
+        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
+                                     preload=False)
+        rec = store.layouts[1].record_bytes
+        store.disk_rate, store.layer_s = 4 * rec, 1.0  # four records a layer call
+        store.stack(1).assign([40], set())  # cached: not read
+        # expert 9 at ranks 4 and 0, 40 cached; of rank 2, 22 and 32 tie (the lower id goes)
+        store.prefetch([(1, 1, mx.array([[40, 21, 22, 23, 9], [9, 31, 32, 33, 34]]), None, 5)])
+        assert sorted(store._hinted[1]) == [9, 21, 22, 31]
+    finally:
+        source.close()
