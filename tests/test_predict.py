@@ -5,6 +5,7 @@ greedy ids stay mlx-lm's with prediction and prefetch on, and prefetched
 records the call did not use are counted."""
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -180,19 +181,28 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
         source.close()
 
 
-def test_unused_prefetch_is_counted(calibrated):
-    """Hints for three experts, a call that uses one of them (and another):
-    one used, two unused, their bytes counted."""
+@contextmanager
+def quarter_store(folder):
+    """(store, source): ``folder`` streamed at a 25% cache through the
+    in-process core, with no cold-start preload: nothing is cached or staged
+    before a test's hints."""
     from iod.inproc import InprocSource
 
     from infer.loader import load_streaming
 
-    folder = calibrated("qwen3_moe")
     source = InprocSource(folder)
     try:
-        # no cold-start preload: nothing is cached or staged before the hints
         _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
                                      preload=False)
+        yield store, source
+    finally:
+        source.close()
+
+
+def test_unused_prefetch_is_counted(calibrated):
+    """Hints for three experts, a call that uses one of them (and another):
+    one used, two unused, their bytes counted."""
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         rec = store.layouts[1].record_bytes
         store.prefetch([(1, 1, mx.array([[3, 4, 5]]), None, 3)])
         assert store.stats["prefetched"] == 3 and store.stats["prefetched_bytes"] == 3 * rec
@@ -203,23 +213,13 @@ def test_unused_prefetch_is_counted(calibrated):
         # a call without hints counts nothing more
         store.gather(1, np.array([4]))
         assert store.stats["prefetch_unused"] == 2
-    finally:
-        source.close()
 
 
 def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
     """A decode call's misses: read ahead and ready (hinted, read in time),
     hinted and still being read (late), guessed but left out of the plan
     (unplanned), never guessed (cold); a prefill's misses are not counted."""
-    from iod.inproc import InprocSource
-
-    from infer.loader import load_streaming
-
-    folder = calibrated("qwen3_moe")
-    source = InprocSource(folder)
-    try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
-                                     preload=False)
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
         # the in-process core ends a read when it is polled: layer 1's are being read
         split = lambda: {k: store.stats["miss_" + k] for k in MISS_KINDS}
@@ -238,23 +238,13 @@ def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
         assert split() == {"ready": 1, "late": 1, "unplanned": 1, "cold": 3}
         store.gather(0, np.arange(16))
         assert store.stats["miss_cold"] == 3
-    finally:
-        source.close()
 
 
 def test_a_calls_guesses_go_in_one_message(calibrated):
     """Guesses for two layers are hinted in one PREFETCH, and the daemon
     queues the reads of both (depth 1 each: with no measured rate the plan
     reads the nearest depth only)."""
-    from iod.inproc import InprocSource
-
-    from infer.loader import load_streaming
-
-    folder = calibrated("qwen3_moe")
-    source = InprocSource(folder)
-    try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
-                                     preload=False)
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         sent = source.counters["prefetch_hints"]
         store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
         assert source.counters["prefetch_hints"] == sent + 1
@@ -266,23 +256,13 @@ def test_a_calls_guesses_go_in_one_message(calibrated):
         reading = {k[1:] for k in source.core.sched.reads if k[0] == source.model_id}
         for layer, e in ((1, 3), (1, 4), (2, 5), (2, 6)):
             assert (layer, e) in reading or source._is_ready(layer, e)
-    finally:
-        source.close()
 
 
 def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
     """A verify pass of 4 tokens guesses 32 distinct experts (more than twice
     a token's 8): still decode-sized, so its guesses are read ahead; a
     32-token prefill's guesses are scored, not read."""
-    from iod.inproc import InprocSource
-
-    from infer.loader import load_streaming
-
-    folder = calibrated("qwen3_moe")
-    source = InprocSource(folder)
-    try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
-                                     preload=False)
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         verify = mx.arange(32).reshape(1, 4, 8)
         store.prefetch([(1, 1, verify, None, 8)])
         assert store.stats["prefetched"] == 32
@@ -290,8 +270,6 @@ def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
         store.prefetch([(2, 1, prefill, None, 8)])
         assert store.stats["prefetched"] == 32
         assert store._predicted[2][1] == (set(range(64)), False)
-    finally:
-        source.close()
 
 
 def test_plan_reads_what_fits_in_time():
@@ -350,15 +328,7 @@ def test_guesses_past_the_breadth_are_read_in_spare_time_only(calibrated):
     """A calibrated guess goes on past its predictor's breadth; those ranks
     are read only within half of what the disk reads in time, however often
     they are used (the likely ones take the rest)."""
-    from iod.inproc import InprocSource
-
-    from infer.loader import load_streaming
-
-    folder = calibrated("qwen3_moe")
-    source = InprocSource(folder)
-    try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
-                                     preload=False)
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         use = np.array([0.9] * 4 + [0.5] * 4)  # ranks 4-7 used half the time, past a breadth of 4
         ids = mx.array([[0, 1, 2, 3, 4, 5, 6, 7]])
         store.layer_s = 1.0
@@ -370,8 +340,6 @@ def test_guesses_past_the_breadth_are_read_in_spare_time_only(calibrated):
         store.prefetch([(2, 1, ids, use, 4)])
         assert store.stats["prefetched"] == 8
         assert store._predicted[2][1] == ({0, 1, 2, 3}, True)  # scored: the guess
-    finally:
-        source.close()
 
 
 def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
@@ -379,16 +347,9 @@ def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
     from one streamed call's router to the next one's in the same pass, IO
     waits left out, split over the layers passed; a new pass and calls past
     decode size update nothing."""
-    from iod.inproc import InprocSource
-
     from infer import streaming
-    from infer.loader import load_streaming
 
-    folder = calibrated("qwen3_moe")
-    source = InprocSource(folder)
-    try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
-                                     preload=False)
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         first, _, third, *_ = sorted(store.routers)
         now = [100.0]
         monkeypatch.setattr(streaming.time, "monotonic", lambda: now[0])
@@ -404,23 +365,13 @@ def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
         now[0] += 0.020
         store.clock(third, False)  # a prefill's call
         assert store.layer_s == pytest.approx(0.003)
-    finally:
-        source.close()
 
 
 def test_a_calls_linear_guesses_are_one_sort_and_read_back_with_its_ids(calibrated):
     """The linear maps of a call's next layers go as one matmul and one sort,
     read back in the call's one sync: the same ids, per layer and depth, as
     each map applied on its own."""
-    from iod.inproc import InprocSource
-
-    from infer.loader import load_streaming
-
-    folder = calibrated("qwen3_moe")
-    source = InprocSource(folder)
-    try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
-                                     preload=False)
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         cal = store.calibration
         for (m, d) in list(cal.choice):  # every layer and depth linear, with its measured ranks
             cal.choice[(m, d)] = ("linear", cal.choice[(m, d)][1])
@@ -438,28 +389,16 @@ def test_a_calls_linear_guesses_are_one_sort_and_read_back_with_its_ids(calibrat
             wide = max(breadth, len(use))
             alone = predict.ranked(predict.linear_scores(x.reshape(2, 128), mx.array(w), mx.array(b)), wide)
             assert got.shape == (2, wide) and got.tolist() == np.array(alone).tolist()
-    finally:
-        source.close()
 
 
 def test_equal_guesses_are_read_best_rank_first_when_time_is_short(calibrated):
     """Guesses of one use (no measured use per rank) compete for the reads
     that fit in time by rank: the best ranked are hinted, each expert at its
     best rank over a call's rows, cached and hinted ones left out."""
-    from iod.inproc import InprocSource
-
-    from infer.loader import load_streaming
-
-    folder = calibrated("qwen3_moe")
-    source = InprocSource(folder)
-    try:
-        _, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25),
-                                     preload=False)
+    with quarter_store(calibrated("qwen3_moe")) as (store, source):
         rec = store.layouts[1].record_bytes
         store.disk_rate, store.layer_s = 4 * rec, 1.0  # four records a layer call
         store.stack(1).assign([40], set())  # cached: not read
         # expert 9 at ranks 4 and 0, 40 cached; of rank 2, 22 and 32 tie (the lower id goes)
         store.prefetch([(1, 1, mx.array([[40, 21, 22, 23, 9], [9, 31, 32, 33, 34]]), None, 5)])
         assert sorted(store._hinted[1]) == [9, 21, 22, 31]
-    finally:
-        source.close()
