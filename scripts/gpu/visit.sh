@@ -53,6 +53,9 @@ train)  # issue 13: both architectures at the small preset, side by side, with t
     flags=$(python3 -c "import json; b=json.load(open('/root/probe.json'))['best'].get('$arch', {}); \
 print(('--experts ' + b['experts'] if b else '') + (' --compile' if b.get('compile') else ''))" 2>/dev/null \
       || echo "${TRAIN_FLAGS:-}")
+    # the preset's 16 sequences a step need the H200's memory: an H100 (80 GB) runs out at the first step
+    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    case " $flags " in *" --batch "*) ;; *) [ "${mem:-0}" -lt 100000 ] && flags="$flags --batch 8" ;; esac
     log "train $arch $flags"
     infer train --arch $arch --preset small --corpus "${CORPUS:-/root/stash/corpus.txt}" --minutes "$M" --seed 0 \
       --dtype bfloat16 --no-judge --out "$W/t-$arch" --force $flags > "$OUT/train-$arch.log" 2>&1 &
