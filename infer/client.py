@@ -144,7 +144,10 @@ class IodClient(ExpertSource):
         self.socket = sock
         self.daemon_pid = pid if pid > 0 else 0
         self._watch(self.daemon_pid)
-        self._sock = _context().socket(zmq.DEALER)
+        # the process-wide context: a client dropped without close() must not
+        # leave a private context for the garbage collector, whose term()
+        # blocks while the socket is still open
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 200)
         self._sock.connect(paths.endpoint(sock))
         self._poller = zmq.Poller()
@@ -407,21 +410,6 @@ class IodClient(ExpertSource):
         self._check()
         self._drain()
         self._check()
-
-
-def _context():
-    """The process-wide ZeroMQ context (a client dropped without close() must
-    not leave a private context for the garbage collector, whose term()
-    blocks while the socket is still open). On Linux its IO thread, started
-    with the first socket, runs as SCHED_BATCH: a send wakes that thread, and
-    where MLX's threads keep every core busy (the CPU backend) the woken
-    thread preempted the one that sent, in the middle of building the model's
-    graph: a send took 0.60 ms on 2 cores, 0.08 ms with the IO thread as a
-    batch thread (docs/benchmarks.md, "The client's sends on this CPU")."""
-    ctx = zmq.Context.instance()
-    if hasattr(os, "SCHED_BATCH"):  # Linux; libzmq applies it to threads it starts later
-        ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
-    return ctx
 
 
 def _sweep_private_dirs(base: Path, min_age_s: float = 60.0) -> None:

@@ -71,26 +71,6 @@ def test_private_daemon_dies_with_sigkilled_parent(model, run_dir):
     wait_for(lambda: not shm_entries(pid), what="shm unlinked")
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
-def test_the_clients_zmq_io_thread_runs_as_a_batch_thread(model, run_dir):
-    # in a fresh process: this one's context may have started its threads already
-    code = textwrap.dedent(f"""
-        import os
-        from infer.client import IodClient
-        c = IodClient({str(model)!r}, arena="16M")
-        c.read(0, [1])
-        for t in os.listdir("/proc/self/task"):
-            name = open(f"/proc/self/task/{{t}}/comm").read().strip()
-            print(name, os.sched_getscheduler(int(t)))
-        c.close()
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=dict(os.environ)).stdout
-    policy = dict(line.rsplit(" ", 1) for line in out.splitlines())
-    assert int(policy["ZMQbg/IO/0"]) == os.SCHED_BATCH
-    assert int(policy["python"]) == os.SCHED_OTHER  # the main thread keeps its policy
-
-
 def _alive(pid):
     try:
         os.kill(pid, 0)
