@@ -292,3 +292,61 @@ def test_no_guesses_for_whole_layers(tmp_path, trained_model, trained_prep):
         assert guessed == [layers[2]]
     finally:
         source.close()
+
+
+def _router_score_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "bench_router_score.py"
+    spec = importlib.util.spec_from_file_location("bench_router_score", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_router_probabilities_in_the_score_keep_what_the_router_nearly_chose():
+    """scripts/bench_router_score.py's RouterScore: an expert the router gave
+    high probability but did not route to outranks one routed once, later."""
+    import numpy as np
+
+    bench = _router_score_script()
+    probs = [np.array(p) for p in ([1, 0, 0], [0.5, 0.5, 0], [0, 0, 1], [1, 0, 0])]
+    reqs = [{0}, {1}, {2}, {0}]
+    misses = {}
+    for beta in (0, 8):
+        policy = bench.RouterScore(2, 16.0, beta)
+        misses[beta] = []
+        for req, p in zip(reqs, probs):
+            policy.probs = p
+            misses[beta].append(policy.request(req))
+    assert misses[0] == [1, 1, 1, 1]  # expert 0, the oldest, made room for 2
+    assert misses[8] == [1, 1, 1, 0]  # expert 1 did: 0 had the router's weight
+
+
+def test_router_score_replay_at_beta_zero_is_the_kept_policy(trained_prep):
+    """The script records each MoE layer's router logits over stretches of
+    heldout.txt, and its replay at beta 0 misses what the session cache's
+    kept rule misses on the same calls (infer.belady's simulation)."""
+    import numpy as np
+
+    from shared.blob import Manifest
+
+    bench = _router_score_script()
+    prep = trained_prep("qwen3_next")
+    layers = [l.layer for l in Manifest.load(prep).layers if not l.module.startswith("mtp.")]
+    logits = bench.record(prep, 2, 48)
+    assert set(logits) == {f"s{s}_l{l}" for s in range(2) for l in layers}
+    experts = next(iter(logits.values())).shape[-1]
+    assert all(v.shape == (48, experts) for v in logits.values())
+    assert not np.array_equal(logits["s0_l0"], logits["s1_l0"])  # two different stretches
+    rows = bench.table(logits, 8, variants=[(16, 0), (16, 4)], fractions=(0.25,))
+    row = rows[0.25]
+    kept = belady = 0
+    for key in logits:
+        trace = [(0, sorted(r)) for r, _ in bench.calls(logits[key], 8)]
+        assert len(trace) == 1 + 48 - bench.PROMPT_TOKENS
+        kept += simulate(trace, row["capacity"], "decay16+rank")
+        belady += belady_misses(trace, row["capacity"])
+    assert row[(16, 0)] == kept
+    assert row["belady"] == belady <= min(row[(16, 0)], row[(16, 4)])
