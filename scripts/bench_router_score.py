@@ -12,6 +12,10 @@ against the same rule whose score also gains beta × each expert's router
 probability at every call, so an expert the router nearly chose counts a
 little. docs/benchmarks.md, "The router's probabilities in the score", has
 the measured table.
+
+``--foresight 1,2,4,8`` also replays the kept rule told the next N calls
+of each layer (an oracle no online rule has): how far ahead a rule would
+have to see to come near Belady.
 """
 
 import argparse
@@ -46,6 +50,19 @@ class RouterScore(FreqDecayRank):
                 if p > 0:
                     self.score[e] = (self._now(e) + self.beta * float(p), self.t)
         return missing
+
+
+class Foresight(FreqDecayRank):
+    """The kept rule told the experts of its layer's next calls (set
+    ``soon``: expert -> 1 / calls until its next use): an expert used
+    within them outranks every other, the sooner the higher."""
+
+    def __init__(self, capacity, half_life):
+        super().__init__(capacity, half_life)
+        self.soon = {}
+
+    def _rank(self, e):
+        return super()._rank(e) + 1e6 * self.soon.get(e, 0.0)
 
 
 def record(model_dir, stretches, span):
@@ -110,6 +127,20 @@ def replay(logits, top_k, capacity, half_life, beta):
     return misses
 
 
+def foresight(logits, top_k, capacity, ahead, half_life=16.0):
+    """Misses of Foresight seeing ``ahead`` calls, summed like ``replay``."""
+    misses = 0
+    for key in sorted(logits):
+        reqs = [r for r, _ in calls(logits[key], top_k)]
+        policy = Foresight(capacity, half_life)
+        for t, req in enumerate(reqs):
+            policy.soon = {}
+            for j in range(min(ahead, len(reqs) - t - 1), 0, -1):  # the soonest use wins
+                policy.soon.update(dict.fromkeys(reqs[t + j], 1.0 / j))
+            misses += policy.request(req)
+    return misses
+
+
 def table(logits, top_k, variants=VARIANTS, fractions=FRACTIONS):
     """{fraction: {"capacity", "belady", (half_life, beta): misses}}."""
     experts = next(iter(logits.values())).shape[-1]
@@ -131,9 +162,15 @@ def main(argv=None):
     p.add_argument("--stretches", type=int, default=4)
     p.add_argument("--span", type=int, default=288, help="tokens a stretch (the first 32 a prompt)")
     p.add_argument("--logits", type=Path, help="reuse (or save) the recorded logits here (.npz)")
+    p.add_argument("--foresight", default="", help="also the kept rule told the next N calls, "
+                   "for each N of this comma-separated list")
     args = p.parse_args(argv)
     if args.span <= PROMPT_TOKENS:
-        sys.exit(f"bench_router_score: --span must be more than {PROMPT_TOKENS}")
+        p.error(f"--span must be more than {PROMPT_TOKENS}")
+    try:
+        ahead = [int(n) for n in args.foresight.split(",") if n]
+    except ValueError:
+        p.error(f"--foresight: a comma-separated list of call counts, not {args.foresight!r}")
 
     import json
     top_k = json.loads((Path(args.model) / "config.json").read_text())["num_experts_per_tok"]
@@ -141,8 +178,11 @@ def main(argv=None):
         logits = dict(np.load(args.logits))
     else:
         logits = record(args.model, args.stretches, args.span)
-        if args.logits:
-            np.savez(args.logits, **logits)
+        if args.logits:  # whole or not at all
+            part = args.logits.with_name(args.logits.name + ".part")
+            with open(part, "wb") as f:
+                np.savez(f, **logits)
+            part.replace(args.logits)
     rows = table(logits, top_k)
     print("| cache | experts/layer | Belady | " + " | ".join(
         f"hl {hl}, β {beta}" for hl, beta in VARIANTS) + " |")
@@ -150,6 +190,16 @@ def main(argv=None):
     for frac, row in rows.items():
         cells = [f"{row[v]} ({row[v] / max(row['belady'], 1):.3f}×)" for v in VARIANTS]
         print(f"| {frac:.0%} | {row['capacity']} | {row['belady']} | " + " | ".join(cells) + " |")
+
+    if ahead:
+        print("\n| cache | Belady | " + " | ".join(f"told {n} calls ahead" for n in ahead) + " |")
+        print("|" + "---|" * (2 + len(ahead)))
+        for frac, row in rows.items():
+            cells = []
+            for n in ahead:
+                m = foresight(logits, top_k, row["capacity"], n)
+                cells.append(f"{m} ({m / max(row['belady'], 1):.3f}×)")
+            print(f"| {frac:.0%} | {row['belady']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

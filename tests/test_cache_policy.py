@@ -307,7 +307,8 @@ def _router_score_script():
 
 def test_router_probabilities_in_the_score_keep_what_the_router_nearly_chose():
     """scripts/bench_router_score.py's RouterScore: an expert the router gave
-    high probability but did not route to outranks one routed once, later."""
+    high probability but did not route to outranks one routed once, later;
+    its Foresight oracle keeps what the next call uses."""
     import numpy as np
 
     bench = _router_score_script()
@@ -322,6 +323,13 @@ def test_router_probabilities_in_the_score_keep_what_the_router_nearly_chose():
             misses[beta].append(policy.request(req))
     assert misses[0] == [1, 1, 1, 1]  # expert 0, the oldest, made room for 2
     assert misses[8] == [1, 1, 1, 0]  # expert 1 did: 0 had the router's weight
+
+    told = bench.Foresight(2, 16.0)
+    seen = []
+    for t, req in enumerate(reqs):
+        told.soon = dict.fromkeys(reqs[t + 1], 1.0) if t + 1 < len(reqs) else {}
+        seen.append(told.request(req))
+    assert seen == [1, 1, 1, 0]  # told the next call wants 0, it keeps 0
 
 
 def test_router_score_replay_at_beta_zero_is_the_kept_policy(trained_prep):
@@ -348,5 +356,5 @@ def test_router_score_replay_at_beta_zero_is_the_kept_policy(trained_prep):
         assert len(trace) == 1 + 48 - bench.PROMPT_TOKENS
         kept += simulate(trace, row["capacity"], "decay16+rank")
         belady += belady_misses(trace, row["capacity"])
-    assert row[(16, 0)] == kept
+    assert row[(16, 0)] == kept == bench.foresight(logits, 8, row["capacity"], 0)
     assert row["belady"] == belady <= min(row[(16, 0)], row[(16, 4)])
