@@ -1,5 +1,6 @@
 """Load a prep folder into mlx-lm's own model classes with streaming experts."""
 
+import json
 import os
 from pathlib import Path
 
@@ -33,6 +34,12 @@ def check_prep_folder(model_dir) -> Manifest:
         raise PrepFolderError(str(e)) from None
     if not (model_dir / "config.json").exists():
         raise PrepFolderError(f"{model_dir} has no config.json")
+    try:  # read again by the loader and the budget: a broken one stops here
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise PrepFolderError(f"{model_dir / 'config.json'}: {_first_line(e)}") from None
+    if not isinstance(config, dict):
+        raise PrepFolderError(f"{model_dir / 'config.json'} is not a JSON object")
     for layout in manifest.layers:
         path = model_dir / layout.file
         if not path.exists():
@@ -40,6 +47,11 @@ def check_prep_folder(model_dir) -> Manifest:
         if path.stat().st_size < layout.stride * layout.num_experts:
             raise PrepFolderError(f"blob {path} is shorter than its manifest says")
     return manifest
+
+
+def _first_line(e) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def cast_model(model, dtype):
@@ -118,8 +130,11 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     # lazy, so a cast materializes each weight once, in its final dtype
     # a rank drops the other ranks' layers before anything is evaluated
     # (as mlx_lm.utils.sharded_load; their experts were never patched in)
-    model, config = load_model(model_dir, lazy=True, strict=group is None,
-                               get_model_classes=get_classes)
+    try:
+        model, config = load_model(model_dir, lazy=True, strict=group is None,
+                                   get_model_classes=get_classes)
+    except (ValueError, RuntimeError, KeyError, OSError) as e:  # e.g. a hand-edited folder
+        raise PrepFolderError(f"{model_dir}: the model does not load: {_first_line(e)}") from None
     if group is not None:
         distributed.pipeline(model.model, group)
     if dtype is not None:
@@ -127,9 +142,12 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     mx.eval(model.parameters())
     if group is not None:  # ranks load at their own pace: meet before the first transfer
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
-    tokenizer = load_tokenizer(
-        model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
-    )
+    try:
+        tokenizer = load_tokenizer(
+            model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
+        )
+    except (ValueError, RuntimeError, KeyError, OSError) as e:
+        raise PrepFolderError(f"{model_dir}: the tokenizer does not load: {_first_line(e)}") from None
     if preload and source is not None:  # (infer bench sets its source later)
         coldstart.preload(store, model_dir)
     return model, tokenizer, store

@@ -135,6 +135,13 @@ def check_profile_dir(folder):
         raise ValueError(f"--profile {folder}: cannot write there ({e.strerror or e})") from None
 
 
+def read_stdin_prompt():
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("the prompt on stdin is not UTF-8 text") from None
+
+
 def prep_folder_hint(model):
     """A one-line pointer when --model is a model folder that was not prepped."""
     p = Path(model)
@@ -184,7 +191,13 @@ def _main(args) -> int:
             raise ValueError("--max-kv-size works without --draft only")
         if args.profile:
             check_profile_dir(args.profile)
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        prompt = read_stdin_prompt() if args.prompt == "-" else args.prompt
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the prompt is not UTF-8 text") from None
+        if not prompt and args.ignore_chat_template:
+            raise ValueError("the prompt is empty")
         group = distributed.group()  # a rank of mlx.launch: this rank's layers only
         if args.ranks > 1 or group is not None:
             if args.draft != "none" or args.profile:
@@ -228,6 +241,9 @@ def _main(args) -> int:
         stats, tokens, text = generate(args, source, manifest, prompt, cache_bytes, plan)
         if group is not None:
             stats = distributed.merge_stats(stats, manifest, group)
+    except PrepFolderError as e:
+        print(f"infer run: {e}", file=sys.stderr)
+        return 2
     except DaemonDead as e:
         print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1

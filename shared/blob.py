@@ -177,7 +177,7 @@ class Manifest:
                 l = dict(l)
                 l["segments"] = [Segment(**s) for s in l["segments"]]
                 layers.append(LayerLayout(**l))
-            return cls(
+            m = cls(
                 model_type=d["model_type"],
                 layers=layers,
                 format=d["format"],
@@ -187,6 +187,22 @@ class Manifest:
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"malformed manifest: {e}") from None
+        m.check()
+        return m
+
+    def check(self) -> None:
+        """Every field of the right type and in range, so that nothing that
+        reads a manifest (a shared daemon above all) meets a value it cannot
+        use. Checksums may be fewer than the experts (an interrupted prep's
+        partial manifest); ``open_blob`` asks for all of them."""
+        if not isinstance(self.model_type, str) or not isinstance(self.layers, list):
+            raise ManifestError("malformed manifest: model_type or layers")
+        seen = set()
+        for l in self.layers:
+            _check_layer(l)
+            if l.layer in seen:
+                raise ManifestError(f"malformed manifest: layer {l.layer} appears twice")
+            seen.add(l.layer)
 
     @classmethod
     def load(cls, folder) -> "Manifest":
@@ -275,6 +291,48 @@ def read_manifest_bytes(folder) -> bytes:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_hex64(x) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= 16 and all(c in "0123456789abcdefABCDEF" for c in x)
+
+
+def _check_layer(l: LayerLayout) -> None:
+    """One layer's layout is usable: see Manifest.check."""
+    def bad(why):
+        raise ManifestError(f"malformed manifest: layer {l.layer!r}: {why}")
+
+    # a record's checksum seed is (layer << 32) | expert: both fit 32 bits
+    if not _is_int(l.layer) or not 0 <= l.layer < 1 << 31:
+        bad("layer index out of range")
+    if not isinstance(l.module, str) or not l.module or not isinstance(l.file, str):
+        bad("module or file is not a name")
+    for k in ("num_experts", "record_bytes", "stride"):
+        v = getattr(l, k)
+        if not _is_int(v) or not 0 < v < 1 << 40:
+            bad(f"{k} {v!r} out of range")
+    if l.num_experts >= 1 << 31 or l.stride < l.record_bytes or l.stride % RECORD_ALIGN:
+        bad(f"impossible layout (experts {l.num_experts}, record {l.record_bytes} bytes, "
+            f"stride {l.stride})")
+    if not isinstance(l.checksums, list) or len(l.checksums) > l.num_experts or \
+            not all(_is_hex64(c) for c in l.checksums):
+        bad("checksums are not up to one 64-bit hex string per expert")
+    if not isinstance(l.quantization, dict) or not isinstance(l.segments, list) or not l.segments:
+        bad("no segments, or quantization is not a mapping")
+    for s in l.segments:
+        if not (isinstance(s.projection, str) and isinstance(s.tensor, str)):
+            bad("a segment's projection or tensor is not a name")
+        if not isinstance(s.dtype, str) or s.dtype not in NUMPY_DTYPES:
+            bad(f"{s.projection}.{s.tensor}: dtype {s.dtype!r} is not one of {', '.join(NUMPY_DTYPES)}")
+        if not isinstance(s.shape, list) or not s.shape or \
+                not all(_is_int(n) and 0 < n < 1 << 40 for n in s.shape):
+            bad(f"{s.projection}.{s.tensor}: shape {s.shape!r}")
+        itemsize = np.dtype(NUMPY_DTYPES[s.dtype]).itemsize
+        if not _is_int(s.offset) or not _is_int(s.nbytes) or s.offset < 0 or \
+                s.nbytes != int(np.prod(s.shape, dtype=object)) * itemsize or \
+                s.offset + s.nbytes > l.record_bytes:
+            bad(f"{s.projection}.{s.tensor}: {s.nbytes!r} bytes at {s.offset!r} do not fit "
+                f"its shape and a {l.record_bytes}-byte record")
 
 
 def open_blob(folder, layout: LayerLayout, flags: int = 0) -> int:

@@ -192,3 +192,45 @@ def test_connection_from_another_uid_is_shut(model):
         assert st["counters"]["refused_peers"] >= 1  # and we, the owner, are still served
     finally:
         d.stop()
+
+
+MANIFEST_MUTATIONS = {
+    "checksum not hex": lambda m: m["layers"][0].update(checksums=["zz"] * 16),
+    "checksum a number": lambda m: m["layers"][0].update(checksums=[12345] * 16),
+    "checksum null": lambda m: m["layers"][0].update(checksums=[None] * 16),
+    "negative layer": lambda m: m["layers"][0].update(layer=-1),
+    "layer past 32 bits": lambda m: m["layers"][0].update(layer=2 ** 40),
+    "experts a string": lambda m: m["layers"][0].update(num_experts="16"),
+    "layer twice": lambda m: m["layers"].append(dict(m["layers"][0])),
+    "segment past the record": lambda m: m["layers"][0]["segments"][0].update(nbytes=10 ** 12),
+    "segment shape": lambda m: m["layers"][0]["segments"][0].update(shape=[3, 3]),
+    "segment dtype": lambda m: m["layers"][0]["segments"][0].update(dtype="complex128"),
+}
+
+
+@pytest.mark.parametrize("mutation", MANIFEST_MUTATIONS)
+def test_malformed_manifest_is_refused_and_the_daemon_lives(daemon, model, tmp_path, mutation):
+    """A session's prep folder with a manifest whose values no reader can use
+    gets BAD_MODEL at HELLO (it used to pass HELLO and kill the shared daemon
+    at the first read); the other sessions are served on."""
+    import json
+    import shutil
+
+    bad_dir = tmp_path / "bad"
+    shutil.copytree(model, bad_dir)
+    m = json.loads((bad_dir / "manifest.json").read_text())
+    MANIFEST_MUTATIONS[mutation](m)
+    (bad_dir / "manifest.json").write_text(json.dumps(m))
+    good = Raw(daemon.socket)
+    h = good.hello(model)
+    bad = Raw(daemon.socket)
+    reply = bad.hello(bad_dir)
+    assert isinstance(reply, P.Error) and reply.code == E.BAD_MODEL, reply
+    assert "malformed manifest" in reply.message
+    ok = good.rt(P.Demand(good.req(), h.model_id, 0, [1, 2], 1))
+    assert isinstance(ok, P.DemandOk) and len(ok.refs) == 2
+    unpin_refs(h, ok.refs)
+    assert good.rt(P.Stats(good.req())).stats["counters"]["internal_errors"] == 0
+    good.rt(P.Bye(good.req()))
+    for r in (good, bad):
+        r.close()

@@ -191,6 +191,45 @@ def test_errors_are_one_line_exit_2(prep_model, tmp_path, run_dir):
     assert r.returncode == 2
 
 
+def test_broken_prep_files_and_prompts_are_one_line_exit_2(prep_model, tmp_path, run_dir):
+    """A hand-edited prep folder (config, tokenizer, the resident weights, a
+    manifest that names another module) and an empty or non-UTF-8 prompt get
+    one line and exit 2, not a traceback."""
+    prep = prep_model("qwen3_moe")
+    base = ["--max-tokens", "2", "--dtype", "float32", "--prompt", "hi"]
+
+    def broken(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(prep, folder)
+        edit(folder)
+        return _one_line_exit_2(run_cli(["--model", str(folder), *base]))
+
+    assert "config.json" in broken("config", lambda f: (f / "config.json").write_text("{"))
+    assert "tokenizer" in broken("tok", lambda f: (f / "tokenizer.json").write_text("garbage"))
+
+    def truncate(f):
+        weights = next(f.glob("model*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[:1000])
+
+    assert "does not load" in broken("weights", truncate)
+
+    def rename(f):
+        m = json.loads((f / "manifest.json").read_text())
+        m["layers"][0]["module"] = "model.layers.0.mlp.nope"
+        (f / "manifest.json").write_text(json.dumps(m))
+
+    assert "does not load" in broken("module", rename)
+
+    line = _one_line_exit_2(run_cli(["--model", str(prep), "--ignore-chat-template",
+                                     "--max-tokens", "2", "--prompt", ""]))
+    assert "empty" in line
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "run", "--model", str(prep),
+                        "--ignore-chat-template", "--max-tokens", "2", "--prompt", "-"],
+                       input=b"\xff\xfe bad", capture_output=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.decode().strip().splitlines() == \
+        ["infer run: the prompt on stdin is not UTF-8 text"]
+
+
 def test_daemon_death_stops_session_quickly(prep_model, run_dir):
     daemon = LiveDaemon(run_dir)
     prep = prep_model("qwen3_moe")
