@@ -307,13 +307,11 @@ def _check_layer(l: LayerLayout) -> None:
         bad("layer index out of range")
     if not isinstance(l.module, str) or not l.module or not isinstance(l.file, str):
         bad("module or file is not a name")
-    for k in ("num_experts", "record_bytes", "stride"):
-        v = getattr(l, k)
-        if not _is_int(v) or not 0 < v < 1 << 40:
-            bad(f"{k} {v!r} out of range")
-    if l.num_experts >= 1 << 31 or l.stride < l.record_bytes or l.stride % RECORD_ALIGN:
-        bad(f"impossible layout (experts {l.num_experts}, record {l.record_bytes} bytes, "
-            f"stride {l.stride})")
+    sizes = (l.num_experts, l.record_bytes, l.stride)
+    if not all(_is_int(v) and 0 < v < 1 << 40 for v in sizes) or l.num_experts >= 1 << 31 or \
+            l.stride < l.record_bytes or l.stride % RECORD_ALIGN:
+        bad(f"impossible layout (experts {l.num_experts!r}, record {l.record_bytes!r} bytes, "
+            f"stride {l.stride!r})")
     if not isinstance(l.checksums, list) or len(l.checksums) > l.num_experts or \
             not all(_is_hex64(c) for c in l.checksums):
         bad("checksums are not up to one 64-bit hex string per expert")
