@@ -402,6 +402,20 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
 
     config = load_config(src)
     check_dst(src, dst, force, resume)
+    if dst.is_dir() and any(dst.iterdir()) and force and not resume:
+        # the folder being replaced stays whole until its replacement is
+        staging = dst.parent / f".{dst.name}.prep-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            m = prep(src, staging, progress=progress, shard_bytes=shard_bytes, quant=quant, dtype=dtype)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+        os.replace(staging, dst)
+        shutil.rmtree(old)
+        return m
     converted = None
     if prep_convert.is_published_layout(src, config, read_tensors(src)):
         quant = prep_convert.Quantization() if quant is None else quant
@@ -414,8 +428,6 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
                           "folders as Hugging Face publishes them)")
         layers, resident, mtp_resident = plan(src, config)
 
-    if dst.is_dir() and force and not resume:
-        shutil.rmtree(dst)
     previous = previous_layouts(dst) if resume and dst.is_dir() else {}
     dst.mkdir(parents=True, exist_ok=True)
     (dst / MANIFEST_NAME).unlink(missing_ok=True)  # the folder is not valid until the end
@@ -513,6 +525,11 @@ def main(argv) -> int:
     except Refusal as e:
         print(f"infer prep: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        more = "; --resume continues from the layers written" \
+            if (a.out / PARTIAL_MANIFEST).exists() else ""
+        print(f"\ninfer prep: interrupted{more}", file=sys.stderr)
+        return 130
     experts = sum(l.stride * l.num_experts for l in m.layers)
     resident = sum(p.stat().st_size for p in a.out.glob("*.safetensors"))
     print(

@@ -88,6 +88,9 @@ def read_header(path) -> Tuple[Dict[str, TensorInfo], Dict[str, str]]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise SafetensorsError(f"{path}: bad header ({e})") from None
+        size = os.fstat(f.fileno()).st_size
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: bad header (not a JSON object)")
     base = 8 + n
     meta = header.pop("__metadata__", None) or {}
     out = {}
@@ -95,6 +98,8 @@ def read_header(path) -> Tuple[Dict[str, TensorInfo], Dict[str, str]]:
         if d["dtype"] not in DTYPES:
             raise SafetensorsError(f"{path}: {name} has unknown dtype {d['dtype']}")
         b, e = d["data_offsets"]
+        if base + e > size:  # found now, before anything is written, not midway
+            raise SafetensorsError(f"{path} is truncated: {name} ends at byte {base + e} of {size}")
         out[name] = TensorInfo(name, path, d["dtype"], tuple(d["shape"]), base + b, e - b)
     return out, meta
 

@@ -296,6 +296,46 @@ def test_interrupted_run_leaves_only_whole_files_and_resumes(tmp_path, synth_mod
     assert verify_main_ok(out)
 
 
+def test_force_keeps_the_old_folder_until_the_new_one_is_whole(tmp_path, synth_model, monkeypatch, capsys):
+    """`--force` over a prep folder writes the new one beside it and swaps at
+    the end: interrupted, the old folder is whole and nothing else is left."""
+    from infer import prep as prep_mod
+
+    src = synth_model("qwen3_moe")
+    out = tmp_path / "out"
+    assert prep_main(["--model", str(src), "--out", str(out), "--no-progress"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = prep_mod.write_blob
+
+    def interrupted(dst, el, progress, *a, **kw):
+        if el.layout.layer == 1:
+            raise KeyboardInterrupt
+        return real(dst, el, progress, *a, **kw)
+
+    monkeypatch.setattr(prep_mod, "write_blob", interrupted)
+    assert prep_main(["--model", str(src), "--out", str(out), "--force", "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip() == "infer prep: interrupted"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
+    monkeypatch.setattr(prep_mod, "write_blob", real)
+    (out / "extra.txt").write_text("old")
+    assert prep_main(["--model", str(src), "--out", str(out), "--force", "--no-progress"]) == 0
+    assert not (out / "extra.txt").exists() and verify_main_ok(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_truncated_source_is_refused_before_anything_is_written(tmp_path, synth_model, capsys):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(synth_model("qwen3_moe"), src)
+    weights = sorted(src.glob("model*.safetensors"))[-1]
+    weights.write_bytes(weights.read_bytes()[:-100])
+    out = tmp_path / "out"
+    assert "truncated" in refuse(["--model", str(src), "--out", str(out)], capsys)
+    assert not out.exists()
+
+
 def verify_main_ok(folder):
     from infer.verify import main as verify_main
 
