@@ -14,6 +14,7 @@ which generate in step with it.
 
 import argparse
 import gc
+import io
 import json
 import logging
 import os
@@ -75,6 +76,33 @@ def build_parser():
     return p
 
 
+class BadRequest(ValueError):
+    """A request that cannot be served as asked: answered 400."""
+
+
+class ModelNotServed(ValueError):
+    """A request for another model: answered 404."""
+
+
+class Generator(mlx_server.ResponseGenerator):
+    """mlx-lm's response generator, whose prompt errors fail their request.
+
+    mlx-lm tokenizes a request inside its error handling but hands an empty
+    prompt to the batch generator, which raises outside it and ends the
+    generation thread (every later request then fails): an empty prompt
+    is refused when made.
+    """
+
+    def _tokenize(self, tokenizer, request, args):
+        try:
+            made = super()._tokenize(tokenizer, request, args)
+        except Exception as e:  # noqa: BLE001 - a template or content error is the request's
+            raise BadRequest(f"bad prompt: {e}") from e
+        if not made[0]:
+            raise BadRequest("prompt is empty")
+        return made
+
+
 class StreamingModelProvider(mlx_server.ModelProvider):
     """mlx-lm's model provider, loading the one prep folder through ``source``.
 
@@ -92,9 +120,9 @@ class StreamingModelProvider(mlx_server.ModelProvider):
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         if model_path not in self._names:
-            raise ValueError(f"this server serves only {self.cli_args.model} (asked for {model_path!r})")
+            raise ModelNotServed(f"this server serves only {self.cli_args.model} (asked for {model_path!r})")
         if adapter_path is not None:
-            raise ValueError("infer serve does not support adapters")
+            raise BadRequest("infer serve does not support adapters")
         return super().load("default_model", None, "default_model")
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
@@ -136,6 +164,51 @@ def _handler_class(model, given=None):
     names = model_names(model, given)
 
     class Handler(mlx_server.APIHandler):
+        def do_POST(self):
+            # mlx-lm decodes the body outside its error handling: a body that
+            # is not UTF-8 would drop the connection with no reply
+            try:
+                n = int(self.headers.get("Content-Length"))
+            except (TypeError, ValueError):
+                n = -1  # mlx-lm answers it
+            if n < 0:
+                return super().do_POST()
+            body = self.rfile.read(n)
+            try:
+                body.decode()
+            except UnicodeDecodeError:
+                return self._error(400, "request body is not UTF-8")
+            rfile, self.rfile = self.rfile, io.BytesIO(body)
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = rfile
+
+        def handle_chat_completions(self):
+            messages = self.body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("messages must be a non-empty list")
+            return super().handle_chat_completions()
+
+        def _set_completion_headers(self, status_code=200):
+            # mlx-lm answers 404 to any request that fails before its first
+            # token (it is then handling the exception): tell them apart
+            e = sys.exc_info()[1]
+            if status_code == 404 and e is not None:
+                if isinstance(e, BadRequest):
+                    status_code = 400
+                elif not isinstance(e, ModelNotServed):
+                    status_code = 500 if self.response_generator.generation_available() else 503
+            super()._set_completion_headers(status_code)
+
+        def _error(self, status, message):
+            body = json.dumps({"error": message}).encode()
+            super()._set_completion_headers(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.wfile.flush()
+
         def handle_models_request(self):
             card = {"id": listed, "object": "model", "created": self.created, "owned_by": "infer"}
             rest = unquote(self.path.split("?")[0][len("/v1/models"):]).strip("/")
@@ -246,7 +319,7 @@ def _main(argv=None) -> int:
             signal.signal(s, _exit_rank(source))
     else:
         signal.signal(signal.SIGTERM, _stop)
-    generator = mlx_server.ResponseGenerator(
+    generator = Generator(
         provider, mlx_server.LRUPromptCache(args.prompt_cache_size))
     if g is not None and g.rank() != 0:
         generator.join()  # requests come from rank 0; a signal ends this rank

@@ -210,3 +210,60 @@ def test_concurrent_requests_are_batched_and_exact(live, reference):
     with ThreadPoolExecutor(4) as ex:
         outs = list(ex.map(one, [PROMPT, other, PROMPT, other]))
     assert outs == [reference["text"], alone, reference["text"], alone]
+
+
+def post(hostport, path, body, content_type="application/json"):
+    """One raw POST: (status, the reply's body)."""
+    import http.client
+
+    host, port = hostport.split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        c.request("POST", path, body=body, headers={"Content-Type": content_type})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def health(hostport):
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{hostport}/health", timeout=30) as r:
+        return r.status
+
+
+def test_empty_prompt_is_400_and_the_server_carries_on(live, reference):
+    """An empty prompt once ended mlx-lm's generation thread: no reply, and
+    every later request failed."""
+    for stream in (False, True):
+        status, body = post(live["hostport"], "/v1/completions",
+                            json.dumps({"prompt": "", "max_tokens": 4, "stream": stream}))
+        assert status == 400 and len(body.splitlines()) == 1, (status, body)
+        assert "prompt is empty" in json.loads(body)["error"]
+    assert health(live["hostport"]) == 200
+    r = live["client"].completions.create(model="default_model", prompt=PROMPT, max_tokens=N,
+                                          temperature=0)
+    assert r.choices[0].text == reference["text"]
+    assert live["proc"].poll() is None
+
+
+def test_body_not_utf8_is_400(live, reference):
+    status, body = post(live["hostport"], "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 4}')
+    assert status == 400 and "UTF-8" in json.loads(body)["error"], (status, body)
+    r = live["client"].completions.create(model="default_model", prompt=PROMPT, max_tokens=N,
+                                          temperature=0)
+    assert r.choices[0].text == reference["text"]
+
+
+def test_empty_messages_is_400(live, reference):
+    for messages in ([], None, "hi"):
+        status, body = post(live["hostport"], "/v1/chat/completions",
+                            json.dumps({"messages": messages, "max_tokens": 4}))
+        assert status == 400 and "messages" in json.loads(body)["error"], (messages, status, body)
+    with pytest.raises(openai.BadRequestError):
+        live["client"].chat.completions.create(model="default_model", messages=[], max_tokens=4)
+    r = live["client"].chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=N, temperature=0)
+    assert r.choices[0].message.content == reference["chat"]
