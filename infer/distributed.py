@@ -56,13 +56,18 @@ def _config(model_dir):
     return {**config.get("text_config", {}), **config}
 
 
-def check_pipelined(model_dir):
-    """ValueError unless mlx-lm can pipeline the folder's architecture."""
+def check_pipelined(model_dir, ranks=None):
+    """ValueError unless mlx-lm can pipeline the folder's architecture (over
+    ``ranks`` ranks: each needs a decoder layer of its own)."""
     import importlib
 
     from mlx_lm.models.pipeline import PipelineMixin
 
-    model_type = _config(model_dir)["model_type"]
+    config = _config(model_dir)
+    model_type = config["model_type"]
+    layers = config.get("num_hidden_layers")
+    if ranks is not None and isinstance(layers, int) and ranks > layers:
+        raise ValueError(f"--ranks {ranks}: the model has {layers} decoder layers to split")
     try:
         module = importlib.import_module(f"mlx_lm.models.{model_type}")
     except ImportError:

@@ -202,7 +202,7 @@ def _main(args) -> int:
         if args.ranks > 1 or group is not None:
             if args.draft != "none" or args.profile:
                 raise ValueError("--ranks works without --draft and --profile")
-            distributed.check_pipelined(args.model)
+            distributed.check_pipelined(args.model, args.ranks)
         if group is not None:
             manifest = distributed.rank_manifest(manifest, args.model, group)
             args.iod = args.iod.replace("{rank}", str(group.rank()))  # a daemon per rank

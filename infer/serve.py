@@ -291,7 +291,7 @@ def _main(argv=None) -> int:
     try:
         manifest = check_prep_folder(args.model)
         if args.ranks > 1 or distributed.launched():
-            distributed.check_pipelined(args.model)
+            distributed.check_pipelined(args.model, args.ranks)
     except (PrepFolderError, ValueError) as e:
         print(f"infer serve: {e}", file=sys.stderr)
         return 2

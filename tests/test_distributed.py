@@ -107,6 +107,11 @@ def test_ranks_errors_are_one_line_exit_2(synth_model, prep_model):
     assert r.returncode == 2 and "mixtral" in r.stderr and r.stderr.count("\n") == 1
     r = run_cli(["--model", str(prep), "--ranks", "0"])
     assert r.returncode == 2
+    # more ranks than layers: refused before any rank is launched
+    layers = json.loads((prep / "config.json").read_text())["num_hidden_layers"]
+    r = run_cli(["--model", str(prep), "--ranks", str(layers + 1)])
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"infer run: --ranks {layers + 1}: the model has {layers} decoder layers to split"]
 
 
 def _daemon_bytes(daemon):
