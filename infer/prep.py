@@ -73,6 +73,8 @@ def load_config(src: Path) -> dict:
     path = src / "config.json"
     if not path.is_file():
         raise Refusal(f"{src} is not a model folder (no config.json)")
+    if (src / MANIFEST_NAME).is_file():
+        raise Refusal(f"{src} is a prep folder already: infer run takes it as it is")
     try:
         config = json.loads(path.read_text())
     except ValueError as e:
@@ -515,9 +517,20 @@ def quant_from_args(a):
 
 def main(argv) -> int:
     a = build_parser().parse_args(argv)
-    if a.calibrate is not None and not a.calibrate.is_file():
-        print(f"infer prep: --calibrate {a.calibrate} is not a file", file=sys.stderr)
-        return 2
+    if a.calibrate is not None:  # checked before the prep, which takes minutes
+        why = None
+        try:
+            if not a.calibrate.read_bytes().decode("utf-8").strip():
+                why = "is empty"
+        except IsADirectoryError:
+            why = "is not a file"
+        except OSError as e:
+            why = f"cannot be read ({e.strerror})" if a.calibrate.exists() else "is not a file"
+        except UnicodeDecodeError:
+            why = "is not UTF-8 text"
+        if why:
+            print(f"infer prep: --calibrate {a.calibrate} {why}", file=sys.stderr)
+            return 2
     t0 = time.time()
     try:
         m = prep(a.model, a.out, a.force, a.resume, progress=not a.no_progress,

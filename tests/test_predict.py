@@ -76,11 +76,18 @@ def test_calibration_round_trips(calibrated, tmp_path):
         assert sum(counts.values()) == 8 * CALIBRATION_TOKENS
 
 
-def test_calibrate_refuses_a_missing_text(trained_model, tmp_path, capsys):
-    argv = ["--model", str(trained_model("qwen3_moe")), "--out", str(tmp_path / "p"),
-            "--calibrate", str(tmp_path / "none.txt")]
-    assert prep_main(argv) == 2
-    assert capsys.readouterr().err.count("\n") == 1
+def test_calibrate_refuses_a_missing_empty_or_binary_text(trained_model, tmp_path, capsys):
+    """Checked before the prep: one line, exit 2, nothing written."""
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00binary")
+    for name, why in (("none.txt", "is not a file"), ("empty.txt", "is empty"),
+                      ("bin.txt", "is not UTF-8 text")):
+        argv = ["--model", str(trained_model("qwen3_moe")), "--out", str(tmp_path / "p"),
+                "--calibrate", str(tmp_path / name)]
+        assert prep_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err, err
+        assert not (tmp_path / "p").exists()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

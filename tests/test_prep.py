@@ -324,6 +324,11 @@ def test_force_keeps_the_old_folder_until_the_new_one_is_whole(tmp_path, synth_m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_a_prep_folder_as_source_is_named_as_one(tmp_path, prep_model, capsys):
+    line = refuse(["--model", str(prep_model("qwen3_moe")), "--out", str(tmp_path / "o")], capsys)
+    assert "is a prep folder already" in line and not (tmp_path / "o").exists()
+
+
 def test_truncated_source_is_refused_before_anything_is_written(tmp_path, synth_model, capsys):
     import shutil
 
