@@ -99,7 +99,13 @@ class IodClient(ExpertSource):
         me = weakref.ref(self)  # atexit must not keep the client (and its mapping) alive
         self._atexit = lambda: me() is not None and me().close()
         atexit.register(self._atexit)
-        self._connect()
+        try:
+            self._connect()
+        except BaseException:  # refused or interrupted: no private daemon or run dir outlives us
+            atexit.unregister(self._atexit)
+            self._detach()
+            self._stop_private()
+            raise
 
     # ---- connecting ----------------------------------------------------------------
 

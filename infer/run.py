@@ -162,13 +162,29 @@ def main(argv=None) -> int:
     return rc
 
 
+class Terminated(BaseException):
+    """SIGTERM (e.g. from `timeout`): unwinds like Ctrl-C, so the client's
+    close stops a private daemon and removes its run dir."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
 def _guarded(args) -> int:
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a caller's own handler wins
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return _main(args)
     except KeyboardInterrupt:
         # the client's close (in _main's finally) has already stopped a private daemon
         print("\ninfer run: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("\ninfer run: terminated", file=sys.stderr)
+        return 143
     except BrokenPipeError:  # e.g. `infer run ... | head`: stop quietly
         sys.stdout = open(os.devnull, "w")
         return 0
