@@ -2,6 +2,7 @@
 values, defaults in --help, --version."""
 
 import argparse
+import json
 import math
 import sys
 
@@ -75,6 +76,26 @@ positive_float = _number(float, 0.0, lo_open=True)
 unit_float = _number(float, 0.0, 1.0)
 seed_int = _number(int, 0, (1 << 64) - 1)
 port_int = _number(int, 0, 65535)
+
+
+def iod_target(text):
+    """--iod: "auto" or a socket path (not empty)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("'auto' or a daemon's socket file, not an empty string")
+    return text
+
+
+def json_object(text):
+    try:
+        x = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(x, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return x
+
+
+json_object.__name__ = "JSON object"
 
 
 def str2bool(text):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shared.units import format_size, parse_size
 
-from .args import (Parser, add_dtype, add_sampling, add_version, positive_float, positive_int,
+from .args import (Parser, add_dtype, add_sampling, add_version, iod_target, positive_float, positive_int,
                    seed_int, str2bool)
 
 EPILOG = ("mlx-lm's flags work as in mlx_lm.generate (-m is --max-tokens, -p is --prompt). "
@@ -26,7 +26,7 @@ def build_parser():
     p.add_argument("--max-kv-size", type=positive_int, default=None,
                    help="keep at most this many tokens in the KV cache (rotating)")
     add_dtype(p)
-    p.add_argument("--iod", default="auto",
+    p.add_argument("--iod", type=iod_target, default="auto",
                    help="'auto' (the shared daemon, else a private one) or a daemon's socket file "
                         "('{rank}' in it: the rank's number under --ranks)")
     p.add_argument("--iod-timeout", type=positive_float, default=10.0, metavar="S",

@@ -28,7 +28,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.units import parse_size
 
-from .args import Parser, add_dtype, add_sampling, add_version, mx_dtype, port_int, positive_int
+from .args import (Parser, add_dtype, add_sampling, add_version, iod_target, json_object, mx_dtype,
+                   port_int, positive_int)
 from .loader import PrepFolderError, check_prep_folder, load_streaming
 
 MODELS = ("Model names: a request's \"model\" may be the folder's name (what /v1/models lists), "
@@ -48,7 +49,7 @@ def build_parser():
     p.add_argument("--model", required=True, help="prep folder (made by `infer prep`)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port_int, default=8080, help="port to listen on (0 picks a free one, printed)")
-    p.add_argument("--iod", default="auto",
+    p.add_argument("--iod", type=iod_target, default="auto",
                    help="'auto' (the shared daemon, else a private one) or a daemon's socket file")
     p.add_argument("--mem-budget", default=None, help="bound on the session's memory, e.g. 4G")
     add_dtype(p)
@@ -56,7 +57,7 @@ def build_parser():
     p.add_argument("--chat-template", default="", help="a chat template to use instead of the tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true",
                    help="use the tokenizer's default chat template")
-    p.add_argument("--chat-template-args", type=json.loads, default="{}",
+    p.add_argument("--chat-template-args", type=json_object, default="{}",
                    help="JSON object of extra chat template arguments")
     p.add_argument("--decode-concurrency", type=positive_int, default=32,
                    help="requests decoded together in one batch")

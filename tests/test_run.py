@@ -295,6 +295,7 @@ def test_bad_values_are_one_line_exit_2_before_anything_loads(prep_model, tmp_pa
         (["--profile", str(blocker / "sub")], "--profile"),
         (["--draft", "ngram", "--max-kv-size", "64"], "--max-kv-size"),
         (["--draft", "ngram", "--temp", "0.5"], "--temp 0"),
+        (["--iod", ""], "--iod"),
     ]
     for extra, word in cases:
         try:
