@@ -5,6 +5,8 @@
         dst = prep_model("gpt_oss", quant="mxfp4")      # prep folder of the same synth model
 """
 
+import contextlib
+import io
 import signal
 import threading
 from pathlib import Path
@@ -61,8 +63,12 @@ def synth_model(tmp_path_factory):
                 argv = ["--arch", arch, "--preset", preset, "--quant", key[1], "--dtype", dtype, "--out", str(out)]
                 for k, v in sorted(kw.items()):
                     argv += [f"--{k}", str(v)]
-                rc = synth_main(argv)
-                assert rc == 0, f"infer synth {' '.join(argv)} failed ({rc})"
+                # its progress must not land in the stderr of the test that
+                # first asks for the model (tests count their stderr lines)
+                said = io.StringIO()
+                with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+                    rc = synth_main(argv)
+                assert rc == 0, f"infer synth {' '.join(argv)} failed ({rc}): {said.getvalue()}"
                 cache[key] = out
             return cache[key]
 
