@@ -11,27 +11,57 @@ import sys
 import time
 from pathlib import Path
 
-from shared import paths, trust
+from shared import paths, trust, units
 from shared.launch import lock_holder, spawn
 
 from . import doctor, runtime
 
-SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 KILL_WAIT_S = 5.0  # after SIGKILL: the kernel ends even a stopped process at once
 DRAIN_POLL_S = 1.0  # how often `iod stop --drain` asks which sessions are left
+MAX_THREADS = 256  # --workers, --hashers: far past any disk's useful queue depth
 
 
 def parse_size(text: str) -> int:
     """ "2G", "512M", "64k", "1048576" -> bytes."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = SUFFIXES.get(t[-1:], 1)
-    try:
-        n = float(t[:-1] if t[-1:] in SUFFIXES else t)
+    try:  # shared.units refuses inf, nan and overflow too
+        n = units.parse_size(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return int(n * mult)
+    return n
+
+
+def count(low: int, high: int = None, zero: str = ""):
+    """An argparse type: an integer from ``low`` to ``high``; ``zero``, when
+    given, says what 0 means (allowed even below ``low``)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if zero and v == 0:
+            return v
+        if v < low or (high is not None and v > high):
+            span = f"from {low} to {high}" if high is not None else f"{low} or more"
+            also = f" (or 0: {zero})" if zero else ""
+            raise argparse.ArgumentTypeError(f"must be {span}{also}: {text!r}")
+        return v
+
+    return parse
+
+
+def mb_rate(text: str) -> float:
+    """MB/s of --read-rate: a finite number > 0, or 0 for no cap."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):  # NaN included
+        raise argparse.ArgumentTypeError(f"must be a finite number of MB/s, or 0 for no cap: "
+                                         f"{text!r}")
+    return v
 
 
 def seconds(text: str) -> float:
@@ -91,18 +121,18 @@ def _parser():
                          f"free space; committed at start")
     st.add_argument("--slot-size", type=parse_size, default=0,
                     help="slot size (0: the first model's largest record stride)")
-    st.add_argument("--workers", type=int, default=0,
-                    help="reader threads (0: the depth `iod doctor` found reaches the disk's "
-                         "ceiling, else 4)")
-    st.add_argument("--hashers", type=int, default=2,
-                    help="checksum threads, so readers go straight to the next read "
-                         "(0: each reader checks its own reads)")
-    st.add_argument("--read-rate", type=float, default=0.0,
+    st.add_argument("--workers", type=count(1, MAX_THREADS, "auto"), default=0,
+                    help=f"reader threads, at most {MAX_THREADS} (0: the depth `iod doctor` "
+                         f"found reaches the disk's ceiling, else 4)")
+    st.add_argument("--hashers", type=count(0, MAX_THREADS), default=2,
+                    help=f"checksum threads, at most {MAX_THREADS}, so readers go straight to "
+                         f"the next read (0: each reader checks its own reads)")
+    st.add_argument("--read-rate", type=mb_rate, default=0.0,
                     help="MB/s cap on reads: emulates a slower device for benchmarks (0: none)")
-    st.add_argument("--max-sessions", type=int, default=64, help="sessions at once")
-    st.add_argument("--max-connections", type=int, default=1024,
+    st.add_argument("--max-sessions", type=count(1), default=64, help="sessions at once")
+    st.add_argument("--max-connections", type=count(1), default=1024,
                     help="peers connected at once; more are refused at the handshake")
-    st.add_argument("--max-queued", type=int, default=8192, help="records queued per session")
+    st.add_argument("--max-queued", type=count(1), default=8192, help="records queued per session")
     st.add_argument("--no-prefault", action="store_true",
                     help="do not map the arena's pages in the background at start (they fault "
                          "in on first use; the memory is committed either way)")

@@ -11,7 +11,9 @@ The records read are a prep folder's (``--model``), or those of a scratch
 file written in ``--dir`` and removed after.
 """
 
+import argparse
 import json
+import math
 import mmap
 import os
 import random
@@ -24,6 +26,44 @@ from pathlib import Path
 from shared import disk
 
 DEPTHS = (1, 2, 4, 8, 16, 32)
+MAX_DEPTH = 256
+
+
+def _int(low: int, zero: str = ""):
+    """An argparse type: an integer >= ``low``; ``zero``: what 0 means, when it may be given."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if v < low and not (zero and v == 0):
+            also = f" (or 0: {zero})" if zero else ""
+            raise argparse.ArgumentTypeError(f"must be {low} or more{also}: {text!r}")
+        return v
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(v) and v > 0):  # NaN included: it measured nothing and said so
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0: {text!r}")
+    return v
+
+
+def _depths(text: str) -> list:
+    try:
+        depths = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        depths = []
+    if not depths or depths[0] < 1 or depths[-1] > MAX_DEPTH:
+        raise argparse.ArgumentTypeError(f"takes integers from 1 to {MAX_DEPTH}, comma-separated: "
+                                         f"{text!r}")
+    return depths
 
 
 def add_parser(sub, fmt):
@@ -32,13 +72,14 @@ def add_parser(sub, fmt):
     where = d.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", type=Path, help="a prep folder: read its expert records")
     where.add_argument("--dir", type=Path, help="write a scratch file here and read it")
-    d.add_argument("--record-size", type=int, default=0,
+    d.add_argument("--record-size", type=_int(1, "the default"), default=0,
                    help="bytes per read (0: the model's record stride; 2654208 with --dir)")
-    d.add_argument("--scratch", type=int, default=2 << 30,
+    d.add_argument("--scratch", type=_int(1), default=2 << 30,
                    help="bytes of the scratch file (--dir), larger than the device's cache")
-    d.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="queue depths to measure")
-    d.add_argument("--seconds", type=float, default=2.0, help="per depth and round")
-    d.add_argument("--rounds", type=int, default=3,
+    d.add_argument("--depths", type=_depths, default=",".join(map(str, DEPTHS)),
+                   help="queue depths to measure")
+    d.add_argument("--seconds", type=_seconds, default=2.0, help="per depth and round")
+    d.add_argument("--rounds", type=_int(1), default=3,
                    help="passes over the depths, interleaved; the median of each depth is kept")
     d.add_argument("--json", action="store_true", help="print the profile as JSON")
     d.add_argument("--plot", type=Path, help="write the curve as a PNG")
@@ -75,13 +116,15 @@ def _model_files(folder, record_size):
     try:
         manifest = Manifest.load(folder)
     except ManifestError as e:
-        raise SystemExit(f"iod doctor: {e}")
+        raise ValueError(f"--model: {e}") from None
     files, mode = [], ""
     for layout in manifest.layers:
         try:
             fd, mode = open_blob(folder, layout)
         except (ManifestError, OSError) as e:
-            raise SystemExit(f"iod doctor: {e}")
+            for fd, *_ in files:
+                os.close(fd)
+            raise ValueError(f"--model: {e}") from None
         files.append((fd, layout.num_experts, layout.stride))
     size = record_size or manifest.max_stride
     first = folder / manifest.layers[0].file
@@ -96,10 +139,15 @@ def _scratch_file(folder, nbytes, record_size):
     fd, name = tempfile.mkstemp(prefix=".iod-doctor-", dir=folder)
     block = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8).tobytes()
     written = 0
-    while written < nbytes:
-        written += os.write(fd, block[: min(len(block), nbytes - written)])
-    os.fsync(fd)
-    os.close(fd)
+    try:
+        while written < nbytes:
+            written += os.write(fd, block[: min(len(block), nbytes - written)])
+        os.fsync(fd)
+    except BaseException:  # a full disk or Ctrl-C: leave no half-written scratch behind
+        os.unlink(name)
+        raise
+    finally:
+        os.close(fd)
     return Path(name)
 
 
@@ -113,9 +161,14 @@ def measure(records: _Records, size: int, depth: int, seconds: float):
     stop = time.monotonic() + seconds
     lat = [[] for _ in range(depth)]
     got = [0] * depth
+    errors = []
 
     def run(i):
-        buf = mmap.mmap(-1, round_up(size, 4096))  # page-aligned, as O_DIRECT wants
+        try:
+            buf = mmap.mmap(-1, round_up(size, 4096))  # page-aligned, as O_DIRECT wants
+        except OSError as e:
+            errors.append(e)
+            return
         try:
             while time.monotonic() < stop:
                 fd, off = records.take()
@@ -125,6 +178,8 @@ def measure(records: _Records, size: int, depth: int, seconds: float):
                 got[i] += n
                 if records.mode == "fadvise":
                     os.posix_fadvise(fd, off, size, os.POSIX_FADV_DONTNEED)
+        except OSError as e:  # said once by main, not as a thread's traceback
+            errors.append(e)
         finally:
             buf.close()
 
@@ -135,6 +190,8 @@ def measure(records: _Records, size: int, depth: int, seconds: float):
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
+    if errors:
+        raise errors[0]
     all_lat = np.array([x for l in lat for x in l]) if any(lat) else np.zeros(1)
     return sum(got) / wall, float(np.percentile(all_lat, 50)), float(np.percentile(all_lat, 99))
 
@@ -172,32 +229,42 @@ def main(args) -> int:
 
     from .reader import open_blob
 
-    try:
-        depths = sorted({int(x) for x in args.depths.split(",") if x})
-    except ValueError:
-        depths = []
-    if not depths or depths[0] < 1 or depths[-1] > 256 or args.seconds <= 0 or args.rounds < 1:
-        print("iod doctor: --depths takes integers from 1 to 256, --seconds a positive number, "
-              "--rounds a positive integer", file=sys.stderr)
+    depths = args.depths  # checked by the parser, as are the other numbers
+    # refused before minutes of measuring, not after
+    if args.dir is not None and args.dir.exists() and not args.dir.is_dir():
+        print(f"iod doctor: --dir {args.dir}: not a directory", file=sys.stderr)
+        return 2
+    if args.plot is not None and not args.plot.absolute().parent.is_dir():
+        print(f"iod doctor: --plot {args.plot}: no such directory", file=sys.stderr)
         return 2
     scratch = None
     if args.model is not None:
-        files, mode, size, first = _model_files(args.model, args.record_size)
+        try:
+            files, mode, size, first = _model_files(args.model, args.record_size)
+        except ValueError as e:
+            print(f"iod doctor: {e}", file=sys.stderr)
+            return 2
     else:
         size = args.record_size or 2654208
         if args.scratch < 4 * size:
             print("iod doctor: --scratch must hold at least 4 records", file=sys.stderr)
             return 2
-        scratch = first = _scratch_file(args.dir, args.scratch, size)
-        n = args.scratch // round_up(size, 4096)
-        layout = plan_layer(0, "scratch", [("scratch", "weight", "uint8", [size], 1, n)])
-        layout.file, layout.checksums = scratch.name, ["0" * 16] * n  # read, never checked
-        fd, mode = open_blob(args.dir, layout)
+        try:
+            scratch = first = _scratch_file(args.dir, args.scratch, size)
+            n = args.scratch // round_up(size, 4096)
+            layout = plan_layer(0, "scratch", [("scratch", "weight", "uint8", [size], 1, n)])
+            layout.file, layout.checksums = scratch.name, ["0" * 16] * n  # read, never checked
+            fd, mode = open_blob(args.dir, layout)
+        except OSError as e:
+            if scratch is not None:
+                scratch.unlink()
+            print(f"iod doctor: --dir {args.dir}: {e.strerror or e}", file=sys.stderr)
+            return 1
         files = [(fd, n, layout.stride)]
     try:
         records = _Records(files, mode)
         runs = {d: [] for d in depths}
-        for _ in range(max(args.rounds, 1)):  # interleaved: load drift hits every depth alike
+        for _ in range(args.rounds):  # interleaved: load drift hits every depth alike
             for d in depths:
                 runs[d].append(measure(records, size, d, args.seconds))
         curve = []
@@ -207,6 +274,10 @@ def main(args) -> int:
             spread = "/".join(f"{r / 1e6:.0f}" for r, _, _ in runs[d])
             print(f"depth {d:3d}: {rate / 1e6:8.1f} MB/s ({spread})   p50 {p50 * 1e3:7.2f} ms   "
                   f"p99 {p99 * 1e3:7.2f} ms", file=sys.stderr)
+    except OSError as e:
+        print(f"iod doctor: a read of {size} bytes failed: {e.strerror or e}; nothing stored",
+              file=sys.stderr)
+        return 1
     finally:
         for fd, *_ in files:
             os.close(fd)
@@ -214,6 +285,9 @@ def main(args) -> int:
             scratch.unlink()
     profile = disk.Profile(os.stat(first.parent).st_dev, str(first.parent), size, mode,
                            tuple(curve))
+    if not profile.ceiling > 0:  # the daemon would plan with it: store only a real measurement
+        print("iod doctor: measured no bytes read; nothing stored", file=sys.stderr)
+        return 1
     print(f"ceiling {profile.ceiling / 1e6:.0f} MB/s, reached (≥{disk.KNEE:.0%}) at depth "
           f"{profile.knee}; reads bypass the page cache ({mode})", file=sys.stderr)
     if args.plot:

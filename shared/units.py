@@ -1,5 +1,7 @@
 """Human byte sizes: "512M", "4G", "1.5GiB", "123456"."""
 
+import math
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -12,6 +14,9 @@ def parse_size(text: str) -> int:
         value = float(number)
     except ValueError:
         raise ValueError(f"not a size: {text!r} (examples: 512M, 4G)") from None
+    # "inf", "nan" and "1e400" parse as floats but are no number of bytes
+    if not math.isfinite(value * _UNITS[unit]):
+        raise ValueError(f"not a size: {text!r} (examples: 512M, 4G)")
     if value < 0:
         raise ValueError(f"negative size: {text!r}")
     return int(value * _UNITS[unit])

@@ -48,11 +48,77 @@ def test_doctor_measures_stores_and_the_daemon_reads_at_the_knee(tmp_path, monke
         d.stop()
 
 
-@pytest.mark.parametrize("argv", [["--dir", "/tmp", "--depths", "0"],
-                                  ["--dir", "/tmp", "--seconds", "-1"],
-                                  ["--model", "/nonexistent"]])
-def test_bad_arguments_are_one_line(argv, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "iod.cli", "doctor", *argv, "--no-save"],
+@pytest.mark.parametrize("flag,argv", [
+    ("--depths", ["--dir", "{tmp}", "--depths", "0"]),
+    ("--depths", ["--dir", "{tmp}", "--depths", "1,x"]),
+    ("--seconds", ["--dir", "{tmp}", "--seconds", "-1"]),
+    ("--seconds", ["--dir", "{tmp}", "--seconds", "nan"]),
+    ("--seconds", ["--dir", "{tmp}", "--seconds", "inf"]),
+    ("--seconds", ["--dir", "{tmp}", "--seconds", "0"]),
+    ("--rounds", ["--dir", "{tmp}", "--rounds", "0"]),
+    ("--record-size", ["--dir", "{tmp}", "--record-size", "-5"]),
+    ("--scratch", ["--dir", "{tmp}", "--scratch", "-1"]),
+    ("--scratch", ["--dir", "{tmp}", "--scratch", "100"]),
+    ("--plot", ["--dir", "{tmp}", "--plot", "/nonexistent/curve.png"]),
+    ("--dir", ["--dir", "{tmp}/a-file"]),
+    ("--model", ["--model", "/nonexistent"])])
+@pytest.mark.parametrize("save", [[], ["--no-save"]])
+def test_bad_arguments_are_one_line(flag, argv, save, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    store = tmp_path / "d.json"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "iod.cli", "doctor", *argv, *save],
                        capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, IOD_DISK_PROFILE=str(tmp_path / "d.json")))
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+                       env=dict(os.environ, IOD_DISK_PROFILE=str(store)))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and flag in lines[0], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no profile, no scratch
+
+
+def _args(tmp_path, **kw):
+    import argparse
+
+    return argparse.Namespace(**{"model": None, "dir": tmp_path, "record_size": 65536,
+                                 "scratch": 1 << 20, "depths": [1, 2], "seconds": 0.01,
+                                 "rounds": 1, "json": False, "plot": None, "no_save": False,
+                                 **kw})
+
+
+def test_a_run_that_measured_nothing_stores_nothing(tmp_path, monkeypatch, capsys):
+    from iod import doctor
+
+    store = tmp_path / "d.json"
+    monkeypatch.setenv("IOD_DISK_PROFILE", str(store))
+    monkeypatch.setattr(doctor, "measure", lambda *a: (0.0, 0.0, 0.0))
+    assert doctor.main(_args(tmp_path)) == 1
+    assert "nothing stored" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not store.exists() and list(tmp_path.iterdir()) == []  # scratch gone too
+
+
+def test_a_failed_read_is_one_line_and_stores_nothing(tmp_path, monkeypatch, capsys):
+    from iod import doctor
+
+    store = tmp_path / "d.json"
+    monkeypatch.setenv("IOD_DISK_PROFILE", str(store))
+
+    def fail(*a):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(doctor, "measure", fail)
+    assert doctor.main(_args(tmp_path)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Input/output error" in err[0] and "nothing stored" in err[0]
+    assert not store.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_reader_thread_error_reaches_the_caller(tmp_path, capsys):
+    """Not a thread's traceback and a rate of 0: measure raises the error."""
+    from iod import doctor
+
+    fd = os.open(tmp_path / "w", os.O_WRONLY | os.O_CREAT)  # pread on it: EBADF
+    try:
+        with pytest.raises(OSError):
+            doctor.measure(doctor._Records([(fd, 4, 4096)], "fadvise"), 4096, 2, 0.05)
+    finally:
+        os.close(fd)
+    assert "Traceback" not in capsys.readouterr().err
