@@ -328,6 +328,14 @@ def stop(sock: Path, grace: float, drain=None) -> int:
     lock = paths.lock_path(folder)
     pid = _running_pid(sock)
     if not pid:
+        # a SIGKILLed daemon left its arena, socket and records: remove them now
+        try:
+            trust.check_run_dir(folder)
+        except OSError:
+            return 1  # said by _running_pid; not a folder to clean
+        swept = _sweep_after(folder, sock)
+        if swept:
+            print(f"iod: removed what a killed daemon left: {', '.join(swept)}", file=sys.stderr)
         return 1
     if drain is not None:
         _signal(pid, signal.SIGUSR1)  # no new sessions; the daemon exits after its last one

@@ -140,6 +140,32 @@ def test_cli_start_status_stop(model, tmp_path):
     shutil.rmtree(folder)
 
 
+def test_stop_after_sigkill_removes_what_the_daemon_left(model):
+    """`iod stop` with no daemon running, after a SIGKILL: exit 1, and the
+    dead daemon's arena, socket and records are gone (not left for the next
+    start to sweep)."""
+    import signal
+
+    from tests.iod_fixtures import short_dir
+
+    folder = short_dir()
+    sock = folder / "iod.sock"
+    p, _ = _run_cli("start", "--socket", str(sock), "--arena", "16M")
+    assert p.returncode == 0, p.stderr
+    pid = int((folder / "iod.lock").read_text())
+    assert shm_entries(pid)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or
+             open(f"/proc/{pid}/stat").read().split()[2] == "Z", what="the daemon dead")
+    p, _ = _run_cli("stop", "--socket", str(sock))
+    assert p.returncode == 1
+    assert p.stderr.splitlines()[0] == "iod is not running"
+    assert "removed what a killed daemon left" in p.stderr
+    assert not shm_entries(pid)
+    assert sorted(x.name for x in folder.iterdir()) == ["iod.log"]
+    shutil.rmtree(folder)
+
+
 def test_modes(daemon, model):
     import stat
 
