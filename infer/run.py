@@ -162,6 +162,11 @@ def main(argv=None) -> int:
     return rc
 
 
+def _after_text(args):
+    """A line break that ends streamed text before an error line (--json streams none)."""
+    return "" if args.json else "\n"
+
+
 class Terminated(BaseException):
     """SIGTERM (e.g. from `timeout`): unwinds like Ctrl-C, so the client's
     close stops a private daemon and removes its run dir."""
@@ -261,10 +266,10 @@ def _main(args) -> int:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
     except DaemonDead as e:
-        print(f"\ninfer run: the iod daemon went away: {e}", file=sys.stderr)
+        print(f"{_after_text(args)}infer run: the iod daemon went away: {e}", file=sys.stderr)
         return 1
     except IodError as e:
-        print(f"\ninfer run: {e}", file=sys.stderr)
+        print(f"{_after_text(args)}infer run: {e}", file=sys.stderr)
         return 1
     finally:
         source.close()
