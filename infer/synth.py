@@ -76,6 +76,9 @@ def calibration(arch: str, preset: str) -> Calibration:
     return Calibration(**d)
 
 
+SEED_MAX = 2**32 - 1
+
+
 def fail(msg: str) -> int:
     print(f"infer synth: {msg}", file=sys.stderr)
     return 2
@@ -548,6 +551,8 @@ def main(argv) -> int:
         return fail(f"unknown dtype {a.dtype!r} (choose from {', '.join(DTYPES)})")
     if a.layers is not None and a.layers < 1:
         return fail("--layers must be at least 1")
+    if not 0 <= a.seed <= SEED_MAX:  # mx.random.seed takes no more
+        return fail(f"--seed must be between 0 and {SEED_MAX} (got {a.seed})")
     if a.out is None:
         return fail("--out DIR is required")
     try:
@@ -559,8 +564,16 @@ def main(argv) -> int:
         # mlx-lm's Qwen3-Next needs at least one full-attention layer
         return fail(f"qwen3_next needs --layers >= {interval} (one full-attention layer every {interval})")
     out = a.out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not a.force:
+    if out.exists() and not out.is_dir():  # --force replaces a folder, never a file (as infer prep)
+        return fail(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not a.force:
         return fail(f"{out} exists and is not empty (use --force to replace it)")
+    # the folders above it are made: the nearest that exists must be one, and writable
+    above = next(p for p in out.absolute().parents if p.exists())
+    if not above.is_dir():
+        return fail(f"--out {out}: {above} is not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        return fail(f"--out {out}: cannot write in {above}")
 
     # Build beside the destination and rename at the end: a failed run leaves nothing.
     tmp = out.parent / f".{out.name}.synth-tmp"

@@ -228,3 +228,34 @@ for line in open("/proc/self/status"):
     assert size > 250
     # imports + one shard (32 MB) + one layer's float chunks and quantized experts (~60 MB)
     assert peak - base < 160, (peak, base, size)
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**70)])
+def test_refuses_seed_out_of_range(seed, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert synth_main(["--arch", "qwen3_moe", "--preset", "tiny", "--seed", seed, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("infer synth: --seed must be between 0 and 4294967295"), err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+@pytest.mark.parametrize("content", ["", "keep"])
+def test_refuses_out_that_is_a_file(force, content, tmp_path, capsys):
+    """A file at --out is not replaced, --force or not (it replaces a folder)."""
+    out = tmp_path / "out"
+    out.write_text(content)
+    assert synth_main(["--arch", "qwen3_moe", "--preset", "tiny", "--out", str(out), *force]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == f"infer synth: {out} exists and is not a folder", err
+    assert out.read_text() == content and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("under", ["afile/x", "afile/sub/x"])
+def test_refuses_out_under_a_file(under, tmp_path, capsys):
+    (tmp_path / "afile").write_text("keep")
+    out = tmp_path / under
+    assert synth_main(["--arch", "qwen3_moe", "--preset", "tiny", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("infer synth: ") and "afile is not a folder" in err[0], err
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "keep"
