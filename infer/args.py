@@ -4,7 +4,10 @@ values, defaults in --help, --version."""
 import argparse
 import json
 import math
+import os
 import sys
+from pathlib import Path
+from typing import Callable, Optional
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = ("cast the weights (experts included) to this dtype; default: the folder's. "
@@ -122,3 +125,34 @@ def mx_dtype(name):
     import mlx.core as mx
 
     return None if name is None else getattr(mx, name)
+
+
+def check_out(path: Path, flag: str) -> Optional[str]:
+    """Why ``path`` cannot be written as an output file, or None. A file is
+    created and removed beside it: what is refused is refused before the work."""
+    if path.is_dir():
+        return f"{flag} {path} is a folder"
+    if not path.parent.is_dir():
+        return f"{flag} {path}: {path.parent} is not a folder"
+    probe = _tmp_of(path)
+    try:
+        probe.open("x").close()
+        probe.unlink()
+    except OSError as e:
+        return f"{flag} {path}: cannot write there ({e.strerror})"
+    return None
+
+
+def _tmp_of(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]):
+    """``write(tmp)`` beside ``path``, then renamed over it: a failed write leaves nothing."""
+    tmp = _tmp_of(path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

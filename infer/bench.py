@@ -21,6 +21,7 @@ same in every mode. Each run starts cold (empty expert cache, fresh daemon).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from pathlib import Path
 from shared.units import format_size, parse_size
 
 from . import bench_draft
-from .args import add_dtype, mx_dtype
+from .args import (Parser, add_dtype, check_out, mx_dtype, nonneg_float, nonneg_int, positive_int,
+                   write_atomic)
 
 MODES = ("resident", "sync", "inproc", "iod")
 DEFAULT_PROMPT = "The lighthouse keeper counted the ships that passed in the night"
@@ -41,22 +43,23 @@ DEFAULT_DEPTH = 3
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="infer bench", description=__doc__.split("\n")[0])
+    p = Parser(prog="infer bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="prep folder")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--budget", default="0.25",
                    help="expert cache: a fraction of all expert bytes (<= 1) or a size, e.g. 400M")
-    p.add_argument("--read-rate", type=float, default=0.0,
+    p.add_argument("--read-rate", type=nonneg_float, default=0.0,
                    help="MB/s cap on expert reads (emulates a slower device; 0 = none)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-tokens", type=positive_int, default=64,
+                   help="tokens each run generates, the prefill's first one included (at least 2)")
+    p.add_argument("--runs", type=positive_int, default=3)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--free-run", action="store_true",
                    help="feed back the greedy tokens instead of following the fixed text")
-    p.add_argument("--sessions", type=int, default=0,
+    p.add_argument("--sessions", type=nonneg_int, default=0,
                    help="also run N concurrent sessions on one daemon, then with a daemon each")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
-    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+    p.add_argument("--depth", type=nonneg_int, default=DEFAULT_DEPTH,
                    help="deepest prediction (layers ahead); prefetch reads at the depths and "
                         "breadths the measured precision, read rate and compute time pay for")
     p.add_argument("--hits-first", choices=("auto", "on", "off"), default="auto",
@@ -72,7 +75,7 @@ def build_parser():
     add_dtype(p)
     p.add_argument("--arena", default=None,
                    help="arena of the benchmark's daemons (default: a staging area, see budget.py)")
-    p.add_argument("--ranks", type=int, default=1, metavar="N",
+    p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
                    help="run the streaming modes as N local ranks through mlx.launch (the layers "
                         "split across them, a fractional --budget of each rank's own experts, a size "
                         "per rank); resident stays one process")
@@ -309,14 +312,16 @@ def _start_daemon(arena, read_rate_mb, workers=4):
         proc, pid = spawn(sock, ["--arena", str(arena), "--workers", str(workers),
                                  "--read-rate", str(read_rate_mb)],
                           log=folder / "iod.log", parent_fd=r)
+    except BaseException:  # a daemon that did not start leaves nothing behind
+        os.close(w)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     finally:
         os.close(r)
     return proc, pid, sock, folder, w
 
 
 def _stop_daemon(d):
-    import shutil
-
     proc, _, _, folder, w = d
     os.close(w)
     try:
@@ -398,51 +403,53 @@ def worker(args) -> dict:
     runs, daemon_peak, daemon_read = [], 0, []
     for r in range(args.runs):
         daemon = client = None
-        if mode == "iod":
-            from .client import IodClient
+        try:
+            if mode == "iod":
+                from .client import IodClient
 
-            if args.iod:
-                client = IodClient(args.model, iod=args.iod)
-            else:
-                daemon = _start_daemon(arena, args.read_rate)
-                client = IodClient(args.model, iod=str(daemon[2]))
-            store.source = client
-            read0 = _daemon_bytes(client)
-        if mode in ("sync", "inproc"):
-            from iod.inproc import InprocSource
+                if args.iod:
+                    client = IodClient(args.model, iod=args.iod)
+                else:
+                    daemon = _start_daemon(arena, args.read_rate)
+                    client = IodClient(args.model, iod=str(daemon[2]))
+                store.source = client
+                read0 = _daemon_bytes(client)
+            if mode in ("sync", "inproc"):
+                from iod.inproc import InprocSource
 
-            store.source = InprocSource(args.model, arena=arena, read_rate=rate,
-                                        workers=1 if mode == "sync" else 4)
-            read0 = 0
-        if store is not None:
-            reset_store(store)
-        if args.warm:
+                store.source = InprocSource(args.model, arena=arena, read_rate=rate,
+                                            workers=1 if mode == "sync" else 4)
+                read0 = 0
             if store is not None:
-                store.preload()
-            decode(model, prompt_ids, follow, args.max_tokens, store)
+                reset_store(store)
+            if args.warm:
+                if store is not None:
+                    store.preload()
+                decode(model, prompt_ids, follow, args.max_tokens, store)
+                if store is not None:
+                    reset_store(store, keep_cache=True)
+            if args.wait_go and r == 0:
+                print("READY", flush=True)
+                sys.stdin.readline()
+            run = decode(model, prompt_ids, follow, args.max_tokens, store)
             if store is not None:
-                reset_store(store, keep_cache=True)
-        if args.wait_go and r == 0:
-            print("READY", flush=True)
-            sys.stdin.readline()
-        run = decode(model, prompt_ids, follow, args.max_tokens, store)
-        if store is not None:
-            run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
-            run["whole_calls"] = store.stats["whole_calls"]
-            run["trace"] = store.routing_trace()
-            run["prediction"] = store.prediction_stats()
-            run["source_counters"] = _source_counters(store.source)
-            run["arena_pinned"] = getattr(store.source, "cuda_pinned", None)  # before close
-        if mode in ("sync", "inproc"):
-            daemon_read.append(store.source.bytes_read - read0)
-            store.source.close()
-        if client is not None:
-            daemon_read.append(_daemon_bytes(client) - read0)
+                run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
+                run["whole_calls"] = store.stats["whole_calls"]
+                run["trace"] = store.routing_trace()
+                run["prediction"] = store.prediction_stats()
+                run["source_counters"] = _source_counters(store.source)
+                run["arena_pinned"] = getattr(store.source, "cuda_pinned", None)  # before close
+            if mode in ("sync", "inproc"):
+                daemon_read.append(store.source.bytes_read - read0)
+                store.source.close()
+            if client is not None:
+                daemon_read.append(_daemon_bytes(client) - read0)
+                if daemon is not None:
+                    daemon_peak = max(daemon_peak, proc_status(daemon[1]).get("VmHWM", 0))
+                client.close()
+        finally:  # however the run ends, its daemon stops and its folder in /tmp goes
             if daemon is not None:
-                daemon_peak = max(daemon_peak, proc_status(daemon[1]).get("VmHWM", 0))
-            client.close()
-        if daemon is not None:
-            _stop_daemon(daemon)
+                _stop_daemon(daemon)
         runs.append(run)
         mx.clear_cache()
 
@@ -674,13 +681,14 @@ def run_sessions(args, tmp, shared: bool) -> dict:
     sub = argparse.Namespace(**vars(args))
     sub.runs = 1
     arena = args.arena or staging_arena_bytes(Manifest.load(args.model), args.depth)
-    daemons = [_start_daemon(arena, args.read_rate) for _ in range(1 if shared else n)]
     from .client import IodClient
 
-    probes = [IodClient(args.model, iod=str(d[2])) for d in daemons]
-    before = [_daemon_bytes(c) for c in probes]
-    procs, outs = [], []
+    daemons, probes, procs, outs = [], [], [], []
     try:
+        for _ in range(1 if shared else n):
+            daemons.append(_start_daemon(arena, args.read_rate))
+            probes.append(IodClient(args.model, iod=str(daemons[-1][2])))
+        before = [_daemon_bytes(c) for c in probes]
         for i in range(n):
             d = daemons[0 if shared else i]
             out = Path(tmp) / f"{'shared' if shared else 'private'}{i}.json"
@@ -702,6 +710,10 @@ def run_sessions(args, tmp, shared: bool) -> dict:
         results = [json.loads(o.read_text()) for o in outs]
         bytes_read = sum(_daemon_bytes(c) - b for c, b in zip(probes, before))
     finally:
+        for p in procs:  # sessions left waiting when another failed
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         for c in probes:
             c.close()
         for d in daemons:
@@ -789,10 +801,18 @@ def main(argv=None) -> int:
         manifest = check_prep_folder(args.model)
         cache_bytes = cache_bytes_of(args.budget, manifest, args.draft, args.model)
         if args.arena:
-            parse_size(args.arena)
+            from iod.runtime import MIN_ARENA
+
+            if parse_size(args.arena) < MIN_ARENA:
+                raise ValueError(f"--arena {args.arena}: a daemon's arena is at least {format_size(MIN_ARENA)}")
+        if args.max_tokens < 2:  # the prefill's token and at least one decode step to time
+            raise ValueError("--max-tokens must be at least 2")
+        if not [m for m in args.modes.split(",") if m]:
+            raise ValueError(f"--modes {args.modes!r} names no mode (choose from {', '.join(MODES)})")
+        why = args.json and check_out(args.json, "--json")
+        if why:
+            raise ValueError(why)
         bench_draft.check_args(args)
-        if args.ranks < 1:
-            raise ValueError("--ranks must be at least 1")
         if args.ranks > 1:
             from .distributed import check_pipelined
 
@@ -874,7 +894,11 @@ def main(argv=None) -> int:
               f"{format_size(s['private']['bytes_read'])}, decode "
               f"{['%.2f' % x for x in s['private']['decode_tok_s']]} tok/s")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        try:
+            write_atomic(args.json, lambda tmp: tmp.write_text(json.dumps(report, indent=1)))
+        except OSError as e:  # checked before the runs; the disk may still fill or go away
+            print(f"infer bench: cannot write {args.json} ({e})", file=sys.stderr)
+            return 1
     if not report["tokens_equal"]:
         print("infer bench: the modes generated different tokens", file=sys.stderr)
         return 1

@@ -42,6 +42,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import predict
+from .args import check_out, write_atomic
 from .belady import LRU, belady_layer
 
 DEPTHS = (1, 2, 3)
@@ -388,6 +389,8 @@ def report(folder, text_path=None, n_tokens=DEFAULT_TOKENS, calibrate=None, cali
     ``calibration``: a calibration file; else a prep folder's own, if any."""
     folder = Path(folder)
     text_path = Path(text_path) if text_path else default_text()
+    # a calibration file is read before the model: a bad one fails at once
+    cal = None if calibrate is not None else load_calibration(calibration or folder)
     try:
         model, tokenizer, experts = load(folder)
     except Exception as e:  # mlx-lm raises many kinds on folders it cannot load
@@ -406,8 +409,6 @@ def report(folder, text_path=None, n_tokens=DEFAULT_TOKENS, calibrate=None, cali
             raise RoutingError(f"--calibrate {calibrate} gives fewer than 8 tokens")
         cal = predict.fit(model, layers, cal_tokens)
         cal.text.update({"path": str(calibrate), "sha256": hashlib.sha256(cal_data).hexdigest()})
-    else:
-        cal = predict.Calibration.load(calibration or folder)
     layers, counts = route(model, tokens, layers=layers, cal=cal)
     out = summarize(layers, counts)
     out["model"] = str(folder)
@@ -415,6 +416,15 @@ def report(folder, text_path=None, n_tokens=DEFAULT_TOKENS, calibrate=None, cali
     if cal is not None:
         out["calibration"] = {**cal.text, "choice": {f"{s} d{d}": list(c) for (s, d), c in cal.choice.items()}}
     return out
+
+
+def load_calibration(path: Path):
+    """``predict.Calibration.load``, its failures on a file that is not one a RoutingError."""
+    try:
+        return predict.Calibration.load(path)
+    except Exception as e:  # numpy, zipfile and json raise many kinds on a file that is not one
+        shown = path if not Path(path).is_dir() else Path(path) / predict.CALIBRATION_NAME
+        raise RoutingError(f"{shown} is not a calibration file ({type(e).__name__}: {e})") from None
 
 
 def format_report(rep: dict) -> str:
@@ -444,8 +454,9 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(rep: dict, path: Path):
-    """Hit rate against cache size (share of a layer's experts): LRU and Belady."""
+def plot(rep: dict, path: Path, format=None):
+    """Hit rate against cache size (share of a layer's experts): LRU and Belady.
+    ``format``: the file's (default: from ``path``'s suffix)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -468,7 +479,7 @@ def plot(rep: dict, path: Path):
     ax.set_title(f"{Path(rep['model']).name}: {s['tokens']} tokens, {s['num_experts']} experts top-{s['top_k']}",
                  fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=format)
     plt.close(fig)
 
 
@@ -508,15 +519,34 @@ def main(argv) -> int:
         return fail(f"--calibrate {a.calibrate} is not a file")
     if a.calibration is not None and not a.calibration.is_file():
         return fail(f"--calibration {a.calibration} is not a file")
+    for path, flag in ((a.json, "--json"), (a.plot, "--plot")):
+        why = path and check_out(path, flag)
+        if why:
+            return fail(why)
+    if a.plot and a.plot.suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        if a.plot.suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+            return fail(f"--plot {a.plot}: matplotlib cannot write {a.plot.suffix} files")
+    from shared.source import SourceError
+
     try:
         rep = report(a.model, a.text, a.tokens, a.calibrate, a.calibration)
     except (RoutingError, UnicodeDecodeError, ModelLoadError) as e:
         return fail(str(e))
+    except SourceError as e:  # found while routing: corrupt records, not a usage error
+        print(f"infer routing: reading the experts of {a.model}: {e}", file=sys.stderr)
+        return 1
     print(format_report(rep))
     if rep["summary"]["tokens"] < a.tokens:
         print(f"infer routing: the text gives only {rep['summary']['tokens']} tokens", file=sys.stderr)
-    if a.json:
-        a.json.write_text(json.dumps(rep, indent=1) + "\n")
-    if a.plot:
-        plot(rep, a.plot)
+    try:
+        if a.json:
+            write_atomic(a.json, lambda tmp: tmp.write_text(json.dumps(rep, indent=1) + "\n"))
+        if a.plot:
+            # the format from the real name's suffix, not the temporary one's
+            write_atomic(a.plot, lambda tmp: plot(rep, tmp, a.plot.suffix[1:].lower() or "png"))
+    except OSError as e:  # checked above; the disk may still fill or go away
+        print(f"infer routing: cannot write the report ({e})", file=sys.stderr)
+        return 1
     return 0

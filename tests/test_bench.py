@@ -252,3 +252,85 @@ def test_bench_pair_interleaves_resident_and_iod_with_equal_ids(prep_model, tmp_
     bad = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "2",
                           "--block", "3"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "at least two blocks" in bad.stderr
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--runs", "0"], "--runs"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--max-tokens", "1"], "--max-tokens must be at least 2"),
+    (["--read-rate", "-5"], "--read-rate"),
+    (["--read-rate", "nan"], "--read-rate"),
+    (["--depth", "-1"], "--depth"),
+    (["--sessions", "-1"], "--sessions"),
+    (["--ranks", "0"], "--ranks"),
+    (["--modes", ""], "names no mode"),
+    (["--modes", ","], "names no mode"),
+    (["--modes", "iod", "--arena", "0"], "--arena 0"),
+    (["--json", "/nonexistent/dir/x.json"], "is not a folder"),
+    (["--json", "DIR"], "is a folder"),
+    (["--json", "FILE/x.json"], "is not a folder"),
+    (["--json", "/proc/x.json"], "cannot write there"),
+])
+def test_bench_refuses_bad_values_before_running(prep_model, tmp_path, capsys, monkeypatch, flags, msg):
+    """One line, exit 2, before any run: no mode started, nothing written."""
+    import infer.bench as bench
+
+    prep = prep_model("qwen3_moe")
+    monkeypatch.setattr(bench, "run_mode", lambda *a, **kw: pytest.fail("a mode ran"))
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "FILE").write_text("x")
+    flags = [f.replace("DIR", str(tmp_path / "DIR")).replace("FILE", str(tmp_path / "FILE")) for f in flags]
+    before = sorted(tmp_path.rglob("*"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # argparse's refusals exit; main's return
+        sys.exit(bench.main(["--model", str(prep), *flags]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("infer bench: ") and msg in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_bench_zero_keeps_its_documented_meanings(prep_model):
+    """--read-rate 0 (no cap), --depth 0 (no prediction), --sessions 0 (none) are accepted."""
+    from infer.bench import build_parser
+
+    a = build_parser().parse_args(["--model", "m", "--read-rate", "0", "--depth", "0", "--sessions", "0"])
+    assert (a.read_rate, a.depth, a.sessions) == (0.0, 0, 0)
+
+
+def test_a_daemon_that_does_not_start_leaves_no_folder(monkeypatch, tmp_path):
+    import infer.bench as bench
+    import shared.launch
+
+    made = []
+    real = bench.tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        made.append(Path(real(**{**kw, "dir": str(tmp_path)})))
+        return str(made[-1])
+
+    def spawn(*a, **kw):
+        raise RuntimeError("iod did not start")
+
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(shared.launch, "spawn", spawn)
+    with pytest.raises(RuntimeError):
+        bench._start_daemon(0, 0.0)
+    assert made and not made[0].exists()
+
+
+def test_bench_json_is_written_whole(monkeypatch, tmp_path):
+    from infer.args import write_atomic
+
+    out = tmp_path / "b.json"
+    write_atomic(out, lambda tmp: tmp.write_text("{}"))
+    assert out.read_text() == "{}"
+
+    def broken(self, text):
+        Path.write_bytes(self, b"{half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", broken)
+    with pytest.raises(OSError):
+        write_atomic(out, lambda tmp: tmp.write_text('{"x": 1}'))
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"] and out.read_bytes() == b"{}"

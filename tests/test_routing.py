@@ -95,3 +95,75 @@ def test_synth_routing_report_is_gone():
 
     with pytest.raises(SystemExit):
         synth_main(["--routing-report", "x"])
+
+
+def _one_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("infer routing: "), err
+    return err[0]
+
+
+def test_refuses_output_paths_before_routing(synth_model, tmp_path, capsys, monkeypatch):
+    """--json / --plot that cannot be written are refused up front: nothing routed, nothing written."""
+    src = str(synth_model("mixtral"))
+    monkeypatch.setattr(routing, "report", lambda *a, **kw: pytest.fail("routed"))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    before = sorted(tmp_path.rglob("*"))
+    for flag, path, msg in [("--json", tmp_path / "none" / "x.json", "is not a folder"),
+                            ("--json", tmp_path / "dir", "is a folder"),
+                            ("--json", tmp_path / "file" / "x.json", "is not a folder"),
+                            ("--plot", "/proc/nope.png", "cannot write there"),
+                            ("--plot", tmp_path / "hits.xyz", "cannot write .xyz")]:
+        assert routing_main(["--model", src, "--tokens", "50", flag, str(path)]) == 2
+        assert msg in _one_line(capsys)
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_writes_outputs_whole(synth_model, tmp_path, capsys, monkeypatch):
+    """A write that fails leaves neither the file nor its temporary."""
+    src = str(synth_model("mixtral"))
+
+    def broken(rep, path, format=None):
+        path.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(routing, "plot", broken)
+    png, js = tmp_path / "hits.png", tmp_path / "r.json"
+    assert routing_main(["--model", src, "--tokens", "50", "--json", str(js), "--plot", str(png)]) == 1
+    assert "No space left" in _one_line(capsys)
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # written whole before the plot failed
+    json.loads(js.read_text())
+
+
+def test_refuses_a_file_that_is_not_a_calibration(synth_model, tmp_path, capsys):
+    src = str(synth_model("mixtral"))
+    for name, data in [("x.npz", b"not numpy at all" * 8), ("y.npz", b"")]:
+        (tmp_path / name).write_bytes(data)
+        assert routing_main(["--model", src, "--tokens", "50", "--calibration", str(tmp_path / name)]) == 2
+        assert "is not a calibration file" in _one_line(capsys)
+    np.savez(tmp_path / "z.npz", a=np.zeros(3))  # an .npz, not a calibration
+    assert routing_main(["--model", src, "--tokens", "50", "--calibration", str(tmp_path / "z.npz")]) == 2
+    assert "is not a calibration file" in _one_line(capsys)
+
+
+def test_corrupt_records_are_one_line(prep_model, tmp_path, capsys):
+    """A checksum mismatch found while routing: one line, exit 1, no traceback."""
+    import shutil
+
+    from shared.blob import Manifest
+
+    dst = tmp_path / "prep"
+    shutil.copytree(prep_model("mixtral"), dst)
+    lay = Manifest.load(dst).layers[0]
+    with open(dst / lay.file, "r+b") as f:  # a flipped byte in every record of the first layer
+        for e in range(lay.num_experts):
+            f.seek(e * lay.stride + 5)
+            b = f.read(1)
+            f.seek(e * lay.stride + 5)
+            f.write(bytes([b[0] ^ 0xFF]))
+    out = tmp_path / "r.json"
+    assert routing_main(["--model", str(dst), "--tokens", "50", "--json", str(out)]) == 1
+    line = _one_line(capsys)
+    assert "CHECKSUM" in line or "checksum" in line, line
+    assert not out.exists()
