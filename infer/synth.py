@@ -578,6 +578,7 @@ def main(argv) -> int:
     # Build beside the destination and rename at the end: a failed run leaves nothing.
     tmp = out.parent / f".{out.name}.synth-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    made = [p for p in out.absolute().parents if not p.exists()]  # deepest first, removed on failure
     tmp.mkdir(parents=True)
     try:
         info = synthesize(
@@ -589,6 +590,11 @@ def main(argv) -> int:
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:
+                break
         raise
     n, size = folder_bytes(out)
     c = info["config"]

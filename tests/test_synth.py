@@ -259,3 +259,18 @@ def test_refuses_out_under_a_file(under, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("infer synth: ") and "afile is not a folder" in err[0], err
     assert [p.name for p in tmp_path.iterdir()] == ["afile"] and (tmp_path / "afile").read_text() == "keep"
+
+
+def test_a_failed_synth_leaves_no_folders_it_made(tmp_path, monkeypatch):
+    """The folders made above --out go with the half-built model when synthesis fails."""
+    from infer import synth
+
+    (tmp_path / "kept").mkdir()
+
+    def broken(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(synth, "synthesize", broken)
+    with pytest.raises(OSError):
+        synth.main(["--arch", "qwen3_moe", "--preset", "tiny", "--out", str(tmp_path / "kept" / "a" / "b" / "m")])
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and not list((tmp_path / "kept").iterdir())
