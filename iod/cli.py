@@ -15,6 +15,10 @@ from shared import paths, trust, units
 from shared.launch import lock_holder, spawn
 
 from . import doctor, runtime
+from .argtypes import count, number
+
+MB_RATE = number("a finite number of MB/s, or 0 for no cap")
+SECONDS = number("seconds, 0 or more", finite=False)
 
 KILL_WAIT_S = 5.0  # after SIGKILL: the kernel ends even a stopped process at once
 DRAIN_POLL_S = 1.0  # how often `iod stop --drain` asks which sessions are left
@@ -30,49 +34,6 @@ def parse_size(text: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return n
-
-
-def count(low: int, high: int = None, zero: str = ""):
-    """An argparse type: an integer from ``low`` to ``high``; ``zero``, when
-    given, says what 0 means (allowed even below ``low``)."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if zero and v == 0:
-            return v
-        if v < low or (high is not None and v > high):
-            span = f"from {low} to {high}" if high is not None else f"{low} or more"
-            also = f" (or 0: {zero})" if zero else ""
-            raise argparse.ArgumentTypeError(f"must be {span}{also}: {text!r}")
-        return v
-
-    return parse
-
-
-def mb_rate(text: str) -> float:
-    """MB/s of --read-rate: a finite number > 0, or 0 for no cap."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(v) and v >= 0):  # NaN included
-        raise argparse.ArgumentTypeError(f"must be a finite number of MB/s, or 0 for no cap: "
-                                         f"{text!r}")
-    return v
-
-
-def seconds(text: str) -> float:
-    """A duration in seconds: a number >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not v >= 0:  # NaN included
-        raise argparse.ArgumentTypeError(f"seconds must be 0 or more: {text!r}")
-    return v
 
 
 def _version():
@@ -127,7 +88,7 @@ def _parser():
     st.add_argument("--hashers", type=count(0, MAX_THREADS), default=2,
                     help=f"checksum threads, at most {MAX_THREADS}, so readers go straight to "
                          f"the next read (0: each reader checks its own reads)")
-    st.add_argument("--read-rate", type=mb_rate, default=0.0,
+    st.add_argument("--read-rate", type=MB_RATE, default=0.0,
                     help="MB/s cap on reads: emulates a slower device for benchmarks (0: none)")
     st.add_argument("--max-sessions", type=count(1), default=64, help="sessions at once")
     st.add_argument("--max-connections", type=count(1), default=1024,
@@ -149,12 +110,12 @@ def _parser():
                              formatter_class=fmt)
     for sp in (stop, restart):
         sp.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")
-        sp.add_argument("--drain", nargs="?", type=seconds, const=math.inf,
+        sp.add_argument("--drain", nargs="?", type=SECONDS, const=math.inf,
                         default=argparse.SUPPRESS,  # absent: no drain (and no "(default: None)")
                         metavar="S", help="first drain: the daemon takes no new session and "
                         "stops after its last one ends; wait for that (at most S seconds when "
                         "given; Ctrl-C stops waiting), then stop it as without --drain")
-        sp.add_argument("--grace", "--timeout", dest="grace", type=seconds, default=10.0,
+        sp.add_argument("--grace", "--timeout", dest="grace", type=SECONDS, default=10.0,
                         help="seconds between SIGTERM and SIGKILL")
     status = sub.add_parser("status", help="the daemon's state (STATS)", formatter_class=fmt)
     status.add_argument("--socket", type=Path, default=paths.socket_path(), help="socket path")

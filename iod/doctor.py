@@ -13,7 +13,6 @@ file written in ``--dir`` and removed after.
 
 import argparse
 import json
-import math
 import mmap
 import os
 import random
@@ -25,34 +24,10 @@ from pathlib import Path
 
 from shared import disk
 
+from .argtypes import count, number
+
 DEPTHS = (1, 2, 4, 8, 16, 32)
 MAX_DEPTH = 256
-
-
-def _int(low: int, zero: str = ""):
-    """An argparse type: an integer >= ``low``; ``zero``: what 0 means, when it may be given."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if v < low and not (zero and v == 0):
-            also = f" (or 0: {zero})" if zero else ""
-            raise argparse.ArgumentTypeError(f"must be {low} or more{also}: {text!r}")
-        return v
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(v) and v > 0):  # NaN included: it measured nothing and said so
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0: {text!r}")
-    return v
 
 
 def _depths(text: str) -> list:
@@ -72,14 +47,15 @@ def add_parser(sub, fmt):
     where = d.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", type=Path, help="a prep folder: read its expert records")
     where.add_argument("--dir", type=Path, help="write a scratch file here and read it")
-    d.add_argument("--record-size", type=_int(1, "the default"), default=0,
+    d.add_argument("--record-size", type=count(1, zero="the default"), default=0,
                    help="bytes per read (0: the model's record stride; 2654208 with --dir)")
-    d.add_argument("--scratch", type=_int(1), default=2 << 30,
+    d.add_argument("--scratch", type=count(1), default=2 << 30,
                    help="bytes of the scratch file (--dir), larger than the device's cache")
     d.add_argument("--depths", type=_depths, default=",".join(map(str, DEPTHS)),
                    help="queue depths to measure")
-    d.add_argument("--seconds", type=_seconds, default=2.0, help="per depth and round")
-    d.add_argument("--rounds", type=_int(1), default=3,
+    d.add_argument("--seconds", type=number("a finite number above 0", positive=True), default=2.0,
+                   help="per depth and round")
+    d.add_argument("--rounds", type=count(1), default=3,
                    help="passes over the depths, interleaved; the median of each depth is kept")
     d.add_argument("--json", action="store_true", help="print the profile as JSON")
     d.add_argument("--plot", type=Path, help="write the curve as a PNG")
@@ -95,8 +71,8 @@ class _Records:
         self.fds = files
         self.mode = mode
         self.order = []
-        for i, (_, count, stride) in enumerate(files):
-            self.order += [(i, k * stride) for k in range(count)]
+        for i, (_, n, stride) in enumerate(files):
+            self.order += [(i, k * stride) for k in range(n)]
         random.Random(seed).shuffle(self.order)
         self.next = 0
         self.lock = threading.Lock()
