@@ -215,6 +215,16 @@ def launcher() -> str:
     return found
 
 
+TERMINATED = 128 + 15  # a rank's exit status after SIGTERM (infer run's Terminated)
+
+
+def worst(codes) -> int:
+    """The exit status that says most: a failure over success, and a rank's
+    own failure over TERMINATED (mlx.launch sends SIGTERM to the other ranks
+    when one fails: their 143 follows the failure, it is not its cause)."""
+    return max(codes, key=lambda c: (c != 0, c != TERMINATED, c))
+
+
 def launch(command, ranks, extra_args=()) -> int:
     """Run ``infer <command> <extra_args>`` as ``ranks`` local ranks through
     ``mlx.launch`` (ring backend over loopback). Returns the worst exit status
@@ -252,7 +262,7 @@ def launch(command, ranks, extra_args=()) -> int:
         for r in range(ranks):
             f = status / f"rank-{r}"
             codes.append(int(f.read_text()) if f.exists() else 1)  # killed before its end
-        return max(codes + [launcher_rc], key=lambda c: (c != 0, c))
+        return worst(codes + [launcher_rc])
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)

@@ -98,6 +98,16 @@ def test_a_rank_failure_is_the_exit_status(tmp_path):
     assert launch("run", 2, ["--model", str(tmp_path / "nope")]) == 2
 
 
+def test_a_rank_terminated_after_another_failed_does_not_hide_the_failure():
+    """mlx.launch sends SIGTERM to the other ranks when one fails: the 143 of
+    a rank caught before its own check ran must not stand for the 2."""
+    from infer.distributed import TERMINATED, worst
+
+    assert worst([TERMINATED, 2, 0]) == 2 and worst([2, TERMINATED]) == 2
+    assert worst([TERMINATED, TERMINATED, 0]) == TERMINATED  # a user's SIGTERM
+    assert worst([0, 0, 0]) == 0 and worst([1, 0, 2]) == 2 and worst([0, 1]) == 1
+
+
 def test_ranks_errors_are_one_line_exit_2(synth_model, prep_model):
     prep = prep_model("qwen3_moe")
     r = run_cli(["--model", str(prep), "--ranks", "2", "--draft", "ngram"])
