@@ -275,13 +275,26 @@ class IodClient(ExpertSource):
                 setattr(self, mm, None)
 
     def reconnect(self) -> None:
-        """After DaemonDead: attach to (or, with iod="auto", start) a fresh
-        daemon and say HELLO again, with the manifest hash this session
-        loaded (a changed prep folder is refused: MODEL_CHANGED)."""
+        """After DaemonDead: attach to a fresh daemon (with iod="auto" the
+        shared one, else one it starts; with a socket, one restarted there)
+        and say HELLO again, with the manifest hash this session loaded (a
+        changed prep folder is refused: MODEL_CHANGED). DaemonDead if none."""
+        dead, old = self._dead, self.daemon_pid
         self._detach()
         if self._private is not None:
             self._stop_private()
-        self._connect()
+        if self.iod != "auto" and old > 0 and _lock_pid(Path(self.iod)) == old:
+            # the same daemon holds the socket, not a restarted one: a loop
+            # that stood still (stopped, wedged) would not answer a HELLO either
+            self._dead = dead or DaemonDead(f"iod daemon (pid {old}) is gone")
+            raise self._dead
+        try:
+            self._connect()
+        except IodError as e:  # still dead: a later call raises again (and may retry)
+            if isinstance(e, DaemonDead) and self.iod != "auto" and dead is not None:
+                e = dead  # nothing answers at the socket: why the daemon went is the news
+            self._dead = e if isinstance(e, DaemonDead) else DaemonDead(str(e))
+            raise e from None
 
     def close(self) -> None:
         """BYE, unmap, and stop the private daemon if we started it."""

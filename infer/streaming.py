@@ -529,9 +529,8 @@ class ExpertStore:
             rank = dict(zip(rows.T.ravel()[::-1].tolist(), np.repeat(np.arange(width), n)[::-1].tolist()))
             # what a read would bring: not cached, not hinted, not ready in the arena
             fresh = rank.keys() - self.stack(layer).position.keys() - self._hinted.get(layer, set())
-            not_ready = getattr(self.source, "not_ready", None)
-            if not_ready and fresh:
-                fresh = not_ready(layer, fresh)
+            if fresh and hasattr(self.source, "not_ready"):
+                fresh = self._call("not_ready", layer, fresh)
             for e in sorted(fresh, key=lambda e: (rank[e], e)):  # plan breaks ties in this order
                 r = rank[e]
                 p = float(use[r]) if use is not None and r < len(use) else online
@@ -553,8 +552,6 @@ class ExpertStore:
         hints = [(layer, sorted(experts), d) for (layer, d), experts in sorted(by_layer.items())]
         first = [(misses[0], list(misses[1]), 0)] if misses else []
         sent = self._call("prefetch_many", first + hints)
-        if sent is None:  # the daemon was replaced during the call: counted as hinted
-            sent = [experts for _, experts, _ in first + hints]
         for (layer, _, _), hinted in zip(hints, sent[len(first):]):
             self._hinted.setdefault(layer, set()).update(hinted)
             self.stats["prefetched"] += len(hinted)
@@ -658,10 +655,9 @@ class ExpertStore:
         """A call's misses: ready in the arena (read ahead, or left by an
         earlier read), hinted but not read yet (late), guessed but not hinted
         (the plan or the precision gate left them out), or never guessed."""
-        not_ready = getattr(self.source, "not_ready", None)
-        if not_ready is None:
+        if not hasattr(self.source, "not_ready"):
             return
-        waiting = set(not_ready(layer, missing))
+        waiting = set(self._call("not_ready", layer, missing))
         unhinted = waiting - hinted
         self.stats["miss_ready"] += len(missing) - len(waiting)
         self.stats["miss_late"] += len(waiting & hinted)
@@ -819,17 +815,17 @@ class ExpertStore:
         return n
 
     def _call(self, name, *args):
-        """A source call that survives the death of an embedded daemon: with
-        ``iod="auto"`` the client starts or attaches a fresh one; the experts
-        already copied into the stacks stay valid, so generation carries on."""
+        """A source call that survives the death of the daemon: the client
+        attaches to a fresh one (with ``iod="auto"`` it starts one if none
+        runs; with a socket, a daemon restarted there) or raises DaemonDead.
+        The experts already copied into the stacks stay valid, so generation
+        carries on."""
         try:
             return getattr(self.source, name)(*args)
         except DaemonDead:
-            if getattr(self.source, "iod", None) != "auto":
-                raise
             self.stats["reconnects"] = self.stats.get("reconnects", 0) + 1
             self.source.reconnect()
-            return getattr(self.source, name)(*args) if name == "fetch_into" else None
+            return getattr(self.source, name)(*args)
 
     def _fetch(self, layer, experts, copy):
         """Bring ``experts``' records in through ``copy(batch)``."""

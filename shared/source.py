@@ -105,6 +105,7 @@ class ExpertSource:
 
     def not_ready(self, layer, experts) -> list:
         """Those of ``experts`` (once each) whose records are not ready in the arena."""
+        self._check()  # a dead daemon's arena may be unmapped
         return [e for e in dict.fromkeys(int(e) for e in experts) if not self._is_ready(layer, e)]
 
     def fetch_into(self, layer, experts, sink) -> None:
@@ -185,6 +186,7 @@ class ExpertSource:
 
     def ready(self, layer) -> list:
         """Experts of ``layer`` ready in the arena right now."""
+        self._check()
         l = self._num_experts[layer]
         return [e for e in range(l) if self._is_ready(layer, e)]
 

@@ -310,7 +310,7 @@ def _stale(folder, pids):
 
 
 def check_daemon_crash(src, prep, n_tokens=96, kill_points=(8,),
-                       modes=("private", "shared", "shared_restarted")):
+                       modes=("private", "shared", "shared_restarted", "socket_restarted")):
     """SIGKILL the daemon of a generating session after token k (k in
     ``kill_points``; -1: as soon as the session is up), for each mode."""
     expected = expected_ids(src, n_tokens)
@@ -324,7 +324,8 @@ def check_daemon_crash(src, prep, n_tokens=96, kill_points=(8,),
         try:
             if mode != "private":
                 d = LiveDaemon(folder, args=["--arena", "64M"])
-            gen = generator(prep, "auto", n_tokens, gens=1, cache=1, env=env)
+            iod = str(d.socket) if mode == "socket_restarted" else "auto"  # then no private daemon
+            gen = generator(prep, iod, n_tokens, gens=1, cache=1, env=env)
             first = gen.ready["daemon_pid"]
             if mode == "private":
                 assert d is None and first > 0
@@ -332,14 +333,14 @@ def check_daemon_crash(src, prep, n_tokens=96, kill_points=(8,),
                 assert first == d.pid, "the session did not use the shared daemon"
             while kill_after >= 0 and json.loads(readline(gen, 120)).get("tok", -1) < kill_after:
                 pass
-            if mode == "shared_restarted":
+            if mode.endswith("_restarted"):
                 # a supervisor restarts the daemon before the session's next
                 # call (the session is held still meanwhile): it must attach there
                 os.kill(gen.pid, signal.SIGSTOP)
             os.kill(first, signal.SIGKILL)
             if d is not None:
                 d.proc.wait()
-            if mode == "shared_restarted":
+            if mode.endswith("_restarted"):
                 try:
                     d2 = LiveDaemon(folder, args=["--arena", "64M"])
                 finally:
@@ -351,9 +352,9 @@ def check_daemon_crash(src, prep, n_tokens=96, kill_points=(8,),
             assert res["reconnects"] >= 1 and res["daemon_pid"] != first
             assert res["max_call_s"] < 5.0, f"a call hung {res['max_call_s']:.2f} s"
             worst_call = max(worst_call, res["max_call_s"])
-            if mode != "shared_restarted":  # there the session was held still on purpose
+            if not mode.endswith("_restarted"):  # there the session was held still on purpose
                 worst_gap = max(worst_gap, res["max_gap_s"])
-            if mode == "shared_restarted":
+            if mode.endswith("_restarted"):
                 assert res["daemon_pid"] == d2.pid, "the session did not attach to the restarted daemon"
             if mode == "shared":  # the restart comes after the session is done
                 d2 = LiveDaemon(folder, args=["--arena", "64M"])
