@@ -116,13 +116,6 @@ def stats_lines(s):
     return lines
 
 
-def cache_bytes_for(budget, model_dir, manifest, private_daemon=True):
-    """Expert cache size that keeps the session within ``budget``."""
-    from .budget import plan_memory
-
-    return plan_memory(budget, model_dir, manifest, private_daemon).cache_bytes
-
-
 def check_profile_dir(folder):
     """Create ``--profile DIR`` now, so an unwritable one fails before the run."""
     path = Path(folder)

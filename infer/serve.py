@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -86,13 +87,43 @@ class ModelNotServed(ValueError):
 
 
 class Generator(mlx_server.ResponseGenerator):
-    """mlx-lm's response generator, whose prompt errors fail their request.
+    """mlx-lm's response generator, whose errors fail their requests only.
 
-    mlx-lm tokenizes a request inside its error handling but hands an empty
-    prompt to the batch generator, which raises outside it and ends the
-    generation thread (every later request then fails): an empty prompt
-    is refused when made.
+    mlx-lm's generation thread ends at the first error a batch raises, and
+    every later request is then a 503. An empty prompt (which mlx-lm hands
+    to the batch generator) is refused when made; any other error (a daemon
+    that died, a record that failed its checksum) goes to the requests the
+    thread held, and the thread starts again: the next request reattaches to
+    the daemon. With --ranks the ranks fail together, as mlx-lm's do.
     """
+
+    def __init__(self, *args, **kwargs):
+        self._held = weakref.WeakSet()  # the thread starts in super().__init__
+        super().__init__(*args, **kwargs)
+
+    def _next_request(self, timeout=None):
+        request = super()._next_request(timeout)
+        if request is not None:
+            self._held.add(request[0])  # its response queue
+        return request
+
+    def _run_generate(self):
+        while True:
+            served = False
+            try:
+                self._generate()
+                return
+            except Exception as e:  # noqa: BLE001 - the requests under way get it
+                served = len(self._held) > 0
+                logging.error(f"infer serve: generation failed ({type(e).__name__}: {e})")
+                for q in list(self._held):
+                    q.put(e)
+                self._held = weakref.WeakSet()
+                # a failure with no request to blame (or across ranks) would
+                # repeat: end as mlx-lm does
+                if self._stop or self._is_distributed or not served:
+                    self._generation_failed = True
+                    return
 
     def _tokenize(self, tokenizer, request, args):
         try:
@@ -285,7 +316,6 @@ def _main(argv=None) -> int:
     from . import distributed
     from .budget import top_k
     from .client import IodClient, IodError
-    from .run import cache_bytes_for
 
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
@@ -303,10 +333,18 @@ def _main(argv=None) -> int:
         if g is not None:
             manifest = distributed.rank_manifest(manifest, args.model, g)
             args.iod = args.iod.replace("{rank}", str(g.rank()))  # a daemon per rank
-        cache_bytes = None
+        cache_bytes, client_kw = None, {}
         if args.mem_budget is not None:
-            cache_bytes = cache_bytes_for(parse_size(args.mem_budget), args.model, manifest)
-        source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model))
+            from .budget import plan_memory, shared_daemon_running
+
+            # a private daemon and its staging arena are part of the budget (as in infer run)
+            private = args.iod == "auto" and not shared_daemon_running()
+            plan = plan_memory(parse_size(args.mem_budget), args.model, manifest, private,
+                               dtype=args.dtype)
+            cache_bytes = plan.cache_bytes
+            if private:
+                client_kw["arena"] = plan.arena_bytes
+        source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model), **client_kw)
     except (PrepFolderError, ValueError, IodError) as e:
         print(f"infer serve: {e}", file=sys.stderr)
         return 2

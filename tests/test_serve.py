@@ -268,3 +268,46 @@ def test_empty_messages_is_400(live, reference):
         model="default_model", messages=[{"role": "user", "content": PROMPT}],
         max_tokens=N, temperature=0)
     assert r.choices[0].message.content == reference["chat"]
+
+
+def test_a_daemon_restarted_at_the_socket_is_reattached(prep_model, reference):
+    """The server outlives its daemon: with the daemon gone a request fails
+    (the server carries on); once a daemon answers at the socket again, the
+    next request attaches there and is answered exactly."""
+    folder = short_dir("iodw-")
+    env = dict(os.environ, IOD_RUN_DIR=str(folder))
+    # caches far smaller than the model: each request reads, and after the
+    # first daemon dies that read needs a daemon (an arena hit needs none)
+    arena = ["--arena", "2M"]  # 63 slots for 128 records
+    first = LiveDaemon(folder, args=arena, env=env)
+    proc, hostport = start_server(prep_model("qwen3_moe"), first.socket, env, "--dtype", "float32",
+                                  "--mem-budget", "129M")
+    second = None
+    try:
+        client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
+                               max_retries=0)
+
+        def ask():
+            r = client.completions.create(model="default_model", prompt=PROMPT, max_tokens=N,
+                                          temperature=0)
+            return r.choices[0].text
+
+        assert ask() == reference["text"]
+        first.kill()
+        with pytest.raises(openai.APIError):
+            ask()
+        assert proc.poll() is None
+        second = LiveDaemon(folder, args=arena, env=env)
+        assert ask() == reference["text"]
+        st = daemon_stats(second)
+        assert proc.pid in {s["pid"] for s in st["sessions"]} and st["counters"]["bytes_read"] > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for d in (second, first):
+            if d is not None and d.proc.poll() is None:
+                d.stop()
+        shutil.rmtree(folder, ignore_errors=True)
