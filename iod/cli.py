@@ -77,7 +77,7 @@ def _parser():
     st.add_argument("--socket", type=Path, default=paths.socket_path(),
                     help="socket path (lock, arena.name and log live beside it)")
     st.add_argument("--arena", type=parse_size, default="512M",
-                    help=f"arena size, e.g. 2G: at least {runtime.MIN_ARENA >> 20} MiB, at most "
+                    help=f"arena size, e.g. 2G: at least {runtime.MIN_ARENA >> 10} KiB, at most "
                          f"{runtime.ARENA_SHARE * 100:.0f}%% of physical memory and of /dev/shm's "
                          f"free space; committed at start")
     st.add_argument("--slot-size", type=parse_size, default=0,

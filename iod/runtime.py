@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 
 from shared import paths
+from shared import slots as S
 from shared.launch import SAFE_OPEN, ensure_run_dir, pid_alive, read_pid  # noqa: F401
 from shared.trust import Untrusted
 
-MIN_ARENA = 1 << 20
+MIN_ARENA = S.Layout(S.PAGE, 1).nbytes  # the 1 MiB directory and one slot of a page
 START_ARGS = "iod.args"  # beside the lock: the running daemon's `iod start` options
 START_ARGS_MAX = 64 << 10
 ARENA_SHARE = 0.75  # of physical memory, and of the shared-memory file system's free space
@@ -238,7 +239,8 @@ def arena_limit() -> tuple:
 def arena_size_problem(size: int):
     """None when ``size`` is a sane arena here, else one line saying why not."""
     if size < MIN_ARENA:
-        return f"--arena {size} bytes is less than the minimum, {_fmt(MIN_ARENA)}"
+        return (f"--arena {size} bytes is less than the minimum, {MIN_ARENA >> 10} KiB "
+                f"(the 1 MiB directory and one slot)")
     limit, why = arena_limit()
     if size > limit:
         return f"--arena {_fmt(size)} is more than {why}: at most {_fmt(limit)} here"

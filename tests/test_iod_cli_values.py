@@ -21,7 +21,7 @@ def _start(argv, tmp_path):
 
 
 @pytest.mark.parametrize("flag,value", [
-    ("--arena", "infG"), ("--arena", "1e400"), ("--arena", "nanG"), ("--slot-size", "inf"),
+    ("--arena", "infG"), ("--arena", "1e400"), ("--arena", "1M"), ("--arena", "nanG"), ("--slot-size", "inf"),
     ("--max-connections", "0"), ("--max-sessions", "0"), ("--max-sessions", "-1"),
     ("--max-queued", "0"), ("--workers", "-1"), ("--workers", "100000"), ("--hashers", "-1"),
     ("--hashers", "257"), ("--read-rate", "-5"), ("--read-rate", "nan"),

@@ -755,7 +755,7 @@ def test_arena_size_bounds_are_usage_errors():
     folder = short_dir()
     try:
         for size, want in [("999G", "iod: --arena 999.0 GiB is more than 75% of "),
-                           ("1k", "iod: --arena 1024 bytes is less than the minimum, 1.0 MiB")]:
+                           ("1k", "iod: --arena 1024 bytes is less than the minimum, 1036 KiB")]:
             p, _ = cli("start", "--socket", folder / "run" / "iod.sock", "--arena", size)
             assert p.returncode == 2 and one_line(p.stderr).startswith(want), p.stderr
         assert os.listdir(folder) == []
