@@ -801,10 +801,11 @@ def main(argv=None) -> int:
         manifest = check_prep_folder(args.model)
         cache_bytes = cache_bytes_of(args.budget, manifest, args.draft, args.model)
         if args.arena:
-            from iod.runtime import MIN_ARENA
+            from iod.runtime import arena_size_problem
 
-            if parse_size(args.arena) < MIN_ARENA:
-                raise ValueError(f"--arena {args.arena}: a daemon's arena is at least {format_size(MIN_ARENA)}")
+            why = arena_size_problem(parse_size(args.arena))  # what `iod start` would refuse
+            if why:
+                raise ValueError(why)
         if args.max_tokens < 2:  # the prefill's token and at least one decode step to time
             raise ValueError("--max-tokens must be at least 2")
         if not [m for m in args.modes.split(",") if m]:

@@ -109,7 +109,6 @@ class Generator(mlx_server.ResponseGenerator):
 
     def _run_generate(self):
         while True:
-            served = False
             try:
                 self._generate()
                 return
