@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
+#   scripts/gpu/visit.sh setup|unpack|warm|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -25,6 +25,15 @@ setup)
   bash scripts/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt"
   # kernels compiled on an earlier visit (ptx.tgz from `split`), carried as .gpu/ptx
   if [ -f .gpu/ptx/ptx.tgz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf .gpu/ptx/ptx.tgz -C "$MLX_PTX_CACHE_DIR"; fi ;;
+unpack)  # a prep folder shipped from here as .gpu/m/partNN (tar | gzip -1 | split -b 50000000), one part
+  # a call copied to /root/stash/m, checked against .gpu/msums.txt (carried with this call)
+  (cd /root/stash/m && sha256sum -c --quiet "$OLDPWD/.gpu/msums.txt") || exit 1
+  cat /root/stash/m/part* | gunzip | tar -x -C "$W" && ls "$W" ;;
+warm)  # the disk's curve, then MLX's kernels compiled by the benchmark's own prompt (an `infer run`
+  # of another prompt leaves its prefill's kernels to the first bench)
+  log doctor; iod doctor --model "$W/p-${ARCH:-qwen3_next}" --seconds 1 --rounds 2 --json > "$OUT/doctor.json"
+  log warm; timeout ${BENCH_S:-420} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget 1.0 --warm \
+    --modes resident,iod --runs 1 --max-tokens 48 --prompt @pycode --raw-prompt --json "$OUT/warm.json" 2>&1 | tail -4 ;;
 q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm kernels
   log synth; time infer synth --arch qwen3_moe --preset "${PRESET:-qwen3-30b-a3b}" --dtype "${DTYPE:-bfloat16}" --out "$W/q30-src" --force | tail -2
   log prep; time infer prep --model "$W/q30-src" --out "$W/q30" --force | tail -2
@@ -126,7 +135,7 @@ ab)  # the working tree against an older copy of the code (AB_BASE, a folder hol
 gate)  # the prediction gate (infer/gate.py): iod with prediction on, measured (auto) and off (beside
   # sync), long enough for the gate to probe; the order reversed every round
   for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.25 0.5}; do
-    order="on auto off"; [ $((r % 2)) = 0 ] && order="off auto on"
+    order=${PREDICTS:-on auto off}; [ $((r % 2)) = 0 ] && order=$(echo $order | tr ' ' '\n' | tac | xargs)
     for p in $order; do
       modes=iod; [ $p = off ] && modes=sync,iod
       log "round $r budget $b predict $p"
