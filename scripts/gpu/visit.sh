@@ -125,7 +125,10 @@ ab)  # the working tree against an older copy of the code (AB_BASE, a folder hol
   base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
   # the native module this checkout imports (a carried base has none; the glob missed it once)
   cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
-  for r in $(seq ${ROUNDS:-2}); do for side in base new; do
+  # the order alternates by round: benches of one call drift (the twenty-third lease: each slower
+  # than the one before), which a fixed order charges to the side that runs second
+  for r in $(seq ${ROUNDS:-2}); do sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"
+  for side in $sides; do
     dir=$PWD; [ $side = base ] && dir=$base
     log "round $r $side"
     (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.bench \
