@@ -2,12 +2,14 @@
 """Streaming through iod against the resident model, interleaved in one process.
 
 usage: scripts/bench_pair.py PREP [--budget 0.25] [--tokens 96] [--block 4]
-                             [--prompt @pycode] [--predict auto|on|off] [--json OUT]
+                             [--prompt @pycode] [--predict auto|on|off]
+                             [--dtype float32|bfloat16|float16] [--json OUT]
 
 On a shared, noisy machine two `infer bench` runs a minute apart can differ
 by 20% (this 2-core machine: resident 3.1-4.4 tok/s on the same model), so
 the ratio of separate runs says little. Here both models live in one
-process and decode the same forced text (float32, the bench's fixed text
+process and decode the same forced text (--dtype, float32 by default as
+MLX's CPU kernels want; bfloat16 on a GPU, as stored; the bench's fixed text
 after the prompt) block by block: BLOCK tokens on one, the same BLOCK on
 the other, the order reversed every block. Whatever slows the machine for
 a while slows both sides of a pair. The iod side has a private daemon and
@@ -15,7 +17,11 @@ the budget's cache, started as `infer run` starts it (the cold-start
 preload of usage.json, where the folder has one; `infer bench` starts
 cold); the prompt is taken raw (as `infer bench --raw-prompt`). Reported:
 per pair, iod's speed over resident's; their median and quartiles; stall
-per token; and whether both decoded the same ids (they must).
+per token; and whether both decoded the same ids (they must). On MLX
+CUDA the process's graphs setting holds for both sides, and the resident
+model is evaluated before the streamed one could turn graphs off (as
+infer.loader does where a layer streams): at a partial budget, set
+MLX_USE_CUDA_GRAPHS=0 to time the iod side as `infer bench` does.
 """
 import argparse
 import json
@@ -27,6 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from infer import bench
+from infer.args import DTYPES, mx_dtype
 from infer.bench_draft import resolve_prompt
 from infer.budget import staging_arena_bytes
 from infer.client import IodClient
@@ -45,6 +52,7 @@ def main(argv=None):
     p.add_argument("--prompt", default="@pycode")
     p.add_argument("--predict", choices=("auto", "on", "off"), default="auto",
                    help="the iod side's prediction gate (infer.gate)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="both models' activations")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.tokens < 2 * args.block or args.block < 1:
@@ -52,13 +60,14 @@ def main(argv=None):
 
     manifest = Manifest.load(args.model)
     resident, tok = bench.load_resident(args.model)
-    cast_model(resident, mx.float32)
+    dtype = mx_dtype(args.dtype)
+    cast_model(resident, dtype)
     daemon = bench._start_daemon(staging_arena_bytes(manifest, 3), 0.0)
     client = None
     try:
         client = IodClient(args.model, iod=str(daemon[2]))
         cache_bytes = bench.cache_bytes_of(args.budget, manifest, "none", args.model)
-        streamed, _, store = load_streaming(args.model, client, cache_bytes, dtype=mx.float32)
+        streamed, _, store = load_streaming(args.model, client, cache_bytes, dtype=dtype)
         store.gate = PredictionGate(args.predict)
         result = run(args, tok, {"resident": resident, "iod": streamed}, store)
     finally:
@@ -66,7 +75,7 @@ def main(argv=None):
             client.close()
         bench._stop_daemon(daemon)
     result.update({"model": args.model, "budget": args.budget, "cache_bytes": cache_bytes,
-                   "predict": args.predict})
+                   "predict": args.predict, "dtype": args.dtype})
     print(f"iod / resident: median {result['ratio_median']:.3f} "
           f"[quartiles {result['ratio_quartiles'][0]:.3f}-{result['ratio_quartiles'][1]:.3f}, "
           f"{len(result['ratios'])} pairs of {args.block} tokens]; resident "

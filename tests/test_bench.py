@@ -249,6 +249,13 @@ def test_bench_pair_interleaves_resident_and_iod_with_equal_ids(prep_model, tmp_
     lo, hi = report["ratio_quartiles"]
     assert lo <= report["ratio_median"] <= hi
     assert report["stall_ms_per_token"] >= 0 and "iod / resident: median" in r.stdout
+    # as on a GPU: activations as stored, every expert cached (whole layers)
+    r = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "6",
+                        "--block", "3", "--budget", "1.0", "--dtype", "bfloat16", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and report["ids_equal"] is True and len(report["ratios"]) == 2
     bad = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "2",
                           "--block", "3"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "at least two blocks" in bad.stderr
