@@ -116,6 +116,8 @@ def run(args, tok, models, store):
         "tok_s": {name: len(s) * args.block / sum(s) for name, s in secs.items()},
         "stall_ms_per_token": store.stats["stall_s"] / n_iod * 1e3,
         "copy_ms_per_token": store.stats["copy_s"] / n_iod * 1e3,
+        # layer calls of the iod side that ran whole (every expert cached: the resident call, no sync)
+        "whole_calls": store.stats["whole_calls"],
         "ids_equal": ids["resident"] == ids["iod"],
         "gate": store.gate.stats(),
     }

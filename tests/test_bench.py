@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ import pytest
 
 from infer.belady import belady_layer, belady_misses, simulate
 from infer.bench import cache_bytes_of
+from infer.coldstart import write_usage
+from shared.blob import Manifest
 
 KEYS = ("decode_tok_s", "decode_tok_s_runs", "prefill_tok_s", "stall_fraction", "hit_rate",
         "misses", "belady_misses", "bytes_read_per_token", "recall", "precision",
@@ -249,13 +252,19 @@ def test_bench_pair_interleaves_resident_and_iod_with_equal_ids(prep_model, tmp_
     lo, hi = report["ratio_quartiles"]
     assert lo <= report["ratio_median"] <= hi
     assert report["stall_ms_per_token"] >= 0 and "iod / resident: median" in r.stdout
-    # as on a GPU: activations as stored, every expert cached (whole layers)
-    r = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "6",
+    # as on a GPU: activations as stored, every expert cached: a calibrated
+    # folder's preload completes every stack, so every timed call runs whole
+    folder = tmp_path / "calibrated"
+    shutil.copytree(prep_model("qwen3_moe"), folder)
+    layers = [l.layer for l in Manifest.load(folder).layers]
+    write_usage(folder, {l: {0: 1} for l in layers}, 1)
+    r = subprocess.run([sys.executable, str(script), str(folder), "--tokens", "6",
                         "--block", "3", "--budget", "1.0", "--dtype", "bfloat16", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
     assert report["dtype"] == "bfloat16" and report["ids_equal"] is True and len(report["ratios"]) == 2
+    assert report["whole_calls"] == 6 * len(layers)
     bad = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "2",
                           "--block", "3"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 2 and "at least two blocks" in bad.stderr
