@@ -349,6 +349,16 @@ def _fill(plan, budget, manifest, real, mtp_cache=False):
     return plan
 
 
+def plan_session(budget, model_dir, manifest, iod, **kw):
+    """``plan_memory`` for a session that connects with ``iod``, and the
+    IodClient arguments it implies: with ``iod="auto"`` and no shared daemon
+    up, the session starts a private one, whose staging arena is planned
+    into the budget too. Returns (plan, client keyword arguments)."""
+    private = iod == "auto" and not shared_daemon_running()
+    plan = plan_memory(budget, model_dir, manifest, private, **kw)
+    return plan, ({"arena": plan.arena_bytes} if private else {})
+
+
 def shared_daemon_running() -> bool:
     """Whether the user's shared daemon (the default socket) is up, so that
     ``iod="auto"`` will attach to it rather than start a private one."""

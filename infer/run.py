@@ -223,17 +223,13 @@ def _main(args) -> int:
             distributed.quiet_unless_rank0()
         cache_bytes, client_kw, plan = None, {}, None
         if args.mem_budget is not None:
-            from .budget import context_tokens, plan_memory, shared_daemon_running
+            from .budget import context_tokens, plan_session
 
-            # a private daemon and its staging arena are part of the budget
-            private = args.iod == "auto" and not shared_daemon_running()
             context = context_tokens(prompt, args.max_tokens, args.system_prompt, args.max_kv_size)
-            plan = plan_memory(parse_size(args.mem_budget), args.model, manifest, private,
-                               dtype=args.dtype, context=context,
-                               mtp_cache=drafts_with_mtp(args.draft, args.model))
+            plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
+                                           dtype=args.dtype, context=context,
+                                           mtp_cache=drafts_with_mtp(args.draft, args.model))
             cache_bytes = plan.cache_bytes
-            if private:
-                client_kw["arena"] = plan.arena_bytes
     except ValueError as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2

@@ -334,15 +334,11 @@ def _main(argv=None) -> int:
             args.iod = args.iod.replace("{rank}", str(g.rank()))  # a daemon per rank
         cache_bytes, client_kw = None, {}
         if args.mem_budget is not None:
-            from .budget import plan_memory, shared_daemon_running
+            from .budget import plan_session
 
-            # a private daemon and its staging arena are part of the budget (as in infer run)
-            private = args.iod == "auto" and not shared_daemon_running()
-            plan = plan_memory(parse_size(args.mem_budget), args.model, manifest, private,
-                               dtype=args.dtype)
+            plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
+                                           dtype=args.dtype)
             cache_bytes = plan.cache_bytes
-            if private:
-                client_kw["arena"] = plan.arena_bytes
         source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model), **client_kw)
     except (PrepFolderError, ValueError, IodError) as e:
         print(f"infer serve: {e}", file=sys.stderr)
