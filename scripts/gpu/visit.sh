@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|unpack|warm|pair|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
+#   scripts/gpu/visit.sh setup|unpack|synth|warm|pair|wholeprobe|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -34,6 +34,14 @@ warm)  # the disk's curve, then MLX's kernels compiled by the benchmark's own pr
   log doctor; iod doctor --model "$W/p-${ARCH:-qwen3_next}" --seconds 1 --rounds 2 --json > "$OUT/doctor.json"
   log warm; timeout ${BENCH_S:-420} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget 1.0 --warm \
     --modes resident,iod --runs 1 --max-tokens 48 --prompt @pycode --raw-prompt --json "$OUT/warm.json" 2>&1 | tail -4 ;;
+synth)  # a random-weight model of the trained benchmark's shape (small preset), prepared with a
+  # calibration as `prep` prepares the trained one: $W/p-synth, for what routing does not change
+  # (whole layers at 1.0) without shipping a model; then ARCH=synth for warm and pair
+  log synth; time infer synth --arch "${SYNTH_ARCH:-qwen3_next}" --preset small --dtype bfloat16 --out "$W/s-src" --force | tail -1
+  lib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+  cat "$lib"/json/encoder.py "$lib"/textwrap.py "$lib"/shlex.py "$lib"/fractions.py > "$W/calibrate.txt"
+  log prep; time infer prep --model "$W/s-src" --out "$W/p-synth" --calibrate "$W/calibrate.txt" --force 2>&1 | tail -1
+  rm -rf "$W/s-src" ;;
 pair)  # iod against resident interleaved in one process (scripts/bench_pair.py), as stored (bfloat16),
   # at each of BUDGETS; graphs off at a partial budget, as `infer bench` runs a streamed session
   for b in ${BUDGETS:-1.0 0.25}; do
@@ -42,6 +50,9 @@ pair)  # iod against resident interleaved in one process (scripts/bench_pair.py)
     MLX_USE_CUDA_GRAPHS=$g timeout ${BENCH_S:-200} python3 scripts/bench_pair.py "$W/p-${ARCH:-qwen3_next}" \
       --budget "$b" --dtype bfloat16 --tokens ${TOKENS:-96} --block ${BLOCK:-8} --json "$OUT/pair-$b.json" 2>&1 | tail -1
   done ;;
+wholeprobe)  # whole layers at 1.0 against resident, stacks as filled and as device copies (scripts/gpu/whole_probe.py)
+  timeout ${BENCH_S:-200} python3 scripts/gpu/whole_probe.py "$W/p-${ARCH:-qwen3_next}" --tokens ${TOKENS:-96} \
+    --block ${BLOCK:-8} --json "$OUT/whole-probe.json" 2>&1 | tail -3 ;;
 q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm kernels
   log synth; time infer synth --arch qwen3_moe --preset "${PRESET:-qwen3-30b-a3b}" --dtype "${DTYPE:-bfloat16}" --out "$W/q30-src" --force | tail -2
   log prep; time infer prep --model "$W/q30-src" --out "$W/q30" --force | tail -2
