@@ -81,9 +81,13 @@ def calibrate(folder, text, max_tokens=CALIBRATION_TOKENS):
 
 
 def preload(store, folder):
-    """Fill ``store``'s stacks with each layer's most used experts when the
-    folder has a ``usage.json``; returns the experts loaded (0 without)."""
-    counts = read_usage(folder)
-    if not counts or store.cache_bytes <= 0:
+    """Fill ``store``'s stacks before the first token: with the folder's
+    ``usage.json``, each layer's most used experts; without one, the stacks
+    that hold their whole layer only (every expert: such a layer runs
+    without a sync from its first call, where filled on demand it syncs
+    until each of its experts has been used once). Returns the experts
+    loaded."""
+    if store.cache_bytes <= 0:
         return 0
-    return store.preload(usage_order(counts))
+    counts = read_usage(folder)
+    return store.preload(usage_order(counts) if counts else {})

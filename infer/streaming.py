@@ -793,14 +793,16 @@ class ExpertStore:
 
     def preload(self, order=None):
         """Fill each layer's stack before the first token: ``order`` maps a
-        layer to its experts, most wanted first (a calibration's counts);
-        without it, every expert in index order. Returns the experts loaded."""
+        layer to its experts, most wanted first (a calibration's counts; a
+        layer it lacks gets none, unless its stack holds the whole layer);
+        without it (None), every expert in index order. A stack that holds
+        its whole layer is filled with all of it. Returns the experts loaded."""
         n = 0
         for layer, layout in self.layouts.items():
             stack = self.stack(layer)
             if stack.capacity <= 0:
                 continue
-            ranked = list(order.get(layer, ())) if order else list(range(layout.num_experts))
+            ranked = list(order.get(layer, ())) if order is not None else list(range(layout.num_experts))
             if stack.identity:  # a whole layer: the unused experts too, so it starts complete
                 listed = set(ranked)
                 ranked += [e for e in range(layout.num_experts) if e not in listed]

@@ -912,7 +912,8 @@ def test_auto_decodes_plainly_where_nothing_is_read(prep_model):
 
     prep = prep_model("qwen3_moe")
     source = InprocSource(prep, arena=64 << 20)
-    model, _, store = load_streaming(prep, source, cache_bytes=Manifest.load(prep).expert_bytes)
+    model, _, store = load_streaming(prep, source, cache_bytes=Manifest.load(prep).expert_bytes,
+                                     preload=False)
     assert not store.all_resident
     store.preload()
     assert store.all_resident

@@ -129,6 +129,37 @@ def test_prediction_is_scored_per_depth(synth_model, prep_model):
     source.close()
 
 
+def test_a_cache_of_every_expert_starts_whole_without_a_calibration(synth_model, prep_model):
+    """A prep folder without usage.json and a cache that holds every expert:
+    the load fills every stack, so every call from the first is the resident
+    one (whole: no sync, nothing read). Filled on demand instead (no preload),
+    the first calls stream until a layer has used each expert once. Ids equal
+    mlx-lm's either way."""
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    assert not (prep / "usage.json").exists()
+    ref_model, tokenizer = mlx_load(str(src))
+    ids = tokenizer.encode(PROMPT)
+    expected = greedy(ref_model, ids, n=16)
+    del ref_model
+    for preload in (True, False):
+        source = InprocSource(prep, arena=64 << 20)
+        try:
+            model, _, store = load_streaming(prep, source, source.manifest.expert_bytes, preload=preload)
+            complete = [store.stack(layer).complete for layer in store.cached]
+            assert complete and all(complete) == preload and any(complete) == preload
+            store.reset_stats()
+            store.trace = []  # every call, whole or streamed
+            got = greedy(model, ids, n=16)
+        finally:
+            source.close()
+        assert got == expected, f"preload {preload}"
+        whole, calls = store.stats["whole_calls"], len(store.trace)
+        if preload:
+            assert whole == calls > 0 and store.stats["misses"] == store.stats["fetched_bytes"] == 0
+        else:
+            assert whole < calls and store.stats["misses"] > 0
+
+
 def test_mtp_layers_share_the_cache_only_when_drafting(prep_model):
     """A plain run gives an MTP head's expert layers none of the cache (it
     never calls them); drafting with the head shares it with them. The

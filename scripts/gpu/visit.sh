@@ -40,7 +40,8 @@ synth)  # a random-weight model of the trained benchmark's shape (small preset),
   log synth; time infer synth --arch "${SYNTH_ARCH:-qwen3_next}" --preset small --dtype bfloat16 --out "$W/s-src" --force | tail -1
   lib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
   cat "$lib"/json/encoder.py "$lib"/textwrap.py "$lib"/shlex.py "$lib"/fractions.py > "$W/calibrate.txt"
-  log prep; time infer prep --model "$W/s-src" --out "$W/p-synth" --calibrate "$W/calibrate.txt" --force 2>&1 | tail -1
+  cal="--calibrate $W/calibrate.txt"; [ "${CALIBRATE:-1}" = 0 ] && cal=  # CALIBRATE=0: no usage.json
+  log prep; time infer prep --model "$W/s-src" --out "$W/p-synth" $cal --force 2>&1 | tail -1
   rm -rf "$W/s-src" ;;
 pair)  # iod against resident interleaved in one process (scripts/bench_pair.py), as stored (bfloat16),
   # at each of BUDGETS; graphs off at a partial budget, as `infer bench` runs a streamed session
