@@ -36,6 +36,15 @@ def stats(sock) -> dict:
         r.close()
 
 
+def shared_budget(prep, max_tokens):
+    """A budget just above the minimum for a session on a shared daemon (no
+    daemon of its own to hold): its expert cache holds almost nothing, so it
+    keeps asking the daemon to the end. (Planned as if it started a private
+    daemon, the tiny model's cache would hold every expert: preloaded, the
+    session would never ask again.)"""
+    return tiny_budget(prep, PROMPT, max_tokens, private_daemon=False)
+
+
 def infer_run(sock, prep, *args, **kw):
     """`infer run --iod SOCKET` as a child; stdout and stderr piped."""
     cmd = [PY, "-m", "infer.cli", "run", "--model", str(prep), "--iod", str(sock),
@@ -79,7 +88,7 @@ def test_stop_drain_finishes_the_live_session_and_refuses_new_ones(synth_model, 
     d = Detached("--arena", "2M", "--workers", "2")
     gen = None
     try:
-        gen = infer_run(d.socket, prep, "-m", n, "--json", "--mem-budget", tiny_budget(prep, PROMPT, n))
+        gen = infer_run(d.socket, prep, "-m", n, "--json", "--mem-budget", shared_budget(prep, n))
         wait_for(lambda: any(s["pid"] == gen.pid and s["demands"] > 0
                              for s in stats(d.socket)["sessions"]), 60, "the session generating")
         os.kill(gen.pid, signal.SIGSTOP)  # held mid-generation while the drain starts
@@ -241,7 +250,7 @@ def test_infer_run_against_a_stopped_daemon_exits_with_one_line_within_the_timeo
     timeout = 2.0
     d = Detached("--arena", "2M")  # smaller than the model: the session keeps asking
     gen = infer_run(d.socket, prep, "-m", 100000, "--ignore-chat-template", "--iod-timeout",
-                    timeout, "--mem-budget", tiny_budget(prep, PROMPT, 100000))
+                    timeout, "--mem-budget", shared_budget(prep, 100000))
     try:
         assert gen.stdout.read(16), gen.stderr.read()  # generating
         os.kill(d.pid, signal.SIGSTOP)
@@ -277,7 +286,7 @@ def test_auto_session_leaves_a_stopped_shared_daemon_for_a_private_one(synth_mod
     env = dict(os.environ, IOD_RUN_DIR=str(d.folder))
     gen = subprocess.Popen([PY, "-m", "infer.cli", "run", "--model", str(prep), "--prompt", PROMPT,
                             "-m", str(n), "--json", "--iod-timeout", str(timeout),
-                            "--mem-budget", tiny_budget(prep, PROMPT, n)],
+                            "--mem-budget", shared_budget(prep, n)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_for(lambda: any(s["pid"] == gen.pid and s["demands"] > 0
@@ -310,7 +319,7 @@ def test_a_session_holding_its_whole_share_blocks_no_other(synth_model, prep_mod
     n = 48
     want = mlx_greedy_ids(src, n)
     d = Detached("--arena", "2M")
-    gen = infer_run(d.socket, prep, "-m", n, "--json", "--mem-budget", tiny_budget(prep, PROMPT, n))
+    gen = infer_run(d.socket, prep, "-m", n, "--json", "--mem-budget", shared_budget(prep, n))
     hog = Raw(d.socket)
     try:
         wait_for(lambda: any(s["pid"] == gen.pid for s in stats(d.socket)["sessions"]), 60,
@@ -358,7 +367,9 @@ def test_concurrent_prefills_larger_than_their_shares_come_in_waves(synth_model,
     runs = []
     try:
         for _ in range(3):  # each held after its HELLO, so that all three prefill together
-            r = infer_run(d.socket, prep, "-m", n, "--json", "--mem-budget", tiny_budget(prep, PROMPT, n))
+            # the default cache (a quarter of the experts, no whole layer): the
+            # prompt's layer calls, in one prefill step, miss more than a share
+            r = infer_run(d.socket, prep, "-m", n, "--json")
             runs.append(r)
             wait_for(lambda: any(s["pid"] == r.pid for s in stats(d.socket)["sessions"]), 60,
                      "the session's HELLO")
@@ -691,7 +702,7 @@ def test_a_folder_re_prepped_under_a_session_ends_it_with_one_line(synth_model, 
     old_hash = Manifest.load_with_hash(prep)[1]
     n = 2000
     assert mlx_greedy_ids(new_src, 16) != mlx_greedy_ids(old_src, 16)  # other weights, other words
-    budget = tiny_budget(prep, PROMPT, n)
+    budget = shared_budget(prep, n)
     d = Detached("--arena", "2M")
     env = dict(os.environ, IOD_RUN_DIR=str(d.folder))
     gen = subprocess.Popen([PY, "-m", "infer.cli", "run", "--model", str(prep), "--prompt", PROMPT,
