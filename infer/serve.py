@@ -186,6 +186,17 @@ def model_names(model, given=None):
     return {"default_model", model, given or model, str(folder.resolve()), folder.resolve().name}
 
 
+def vocab_size(model):
+    """The served folder's vocabulary size (its config's, or its text
+    config's), or None where the config does not say."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    n = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def _handler_class(model, given=None):
     """mlx-lm's request handler, with /v1/models listing the served folder
     (mlx-lm's lists the Hugging Face cache, and fails without one)."""
@@ -193,6 +204,7 @@ def _handler_class(model, given=None):
 
     listed = Path(model).resolve().name
     names = model_names(model, given)
+    vocab = vocab_size(model)
 
     class Handler(mlx_server.APIHandler):
         def do_POST(self):
@@ -214,6 +226,23 @@ def _handler_class(model, given=None):
                 super().do_POST()
             finally:
                 self.rfile = rfile
+
+        def validate_model_parameters(self):
+            # mlx-lm checks these fields' types only; a logit_bias id past the
+            # vocabulary indexes the logits out of bounds (MLX does not check:
+            # the server segfaults), a negative seed raises on the generation
+            # thread after the headers, and a stop that is no string fails late
+            super().validate_model_parameters()
+            if self.logit_bias and vocab:
+                bad = [k for k in self.logit_bias if not 0 <= k < vocab]
+                if bad:
+                    raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            if self.seed is not None and not 0 <= self.seed < 2 ** 64:
+                raise ValueError("seed must be between 0 and 2**64 - 1")
+            stop = self.body.get("stop")
+            if stop is not None and not (isinstance(stop, str) or (
+                    isinstance(stop, list) and all(isinstance(w, str) for w in stop))):
+                raise ValueError("stop must be a string or a list of strings")
 
         def handle_chat_completions(self):
             messages = self.body.get("messages")

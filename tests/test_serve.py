@@ -257,6 +257,36 @@ def test_body_not_utf8_is_400(live, reference):
     assert r.choices[0].text == reference["text"]
 
 
+def test_out_of_range_parameters_are_400_and_the_server_carries_on(live, reference):
+    """A logit_bias id past the vocabulary once indexed the logits out of
+    bounds and killed the server (SIGSEGV); a negative seed and a stop that
+    is no string failed after the headers (no reply, or a 500)."""
+    vocab = json.loads((live["prep"] / "config.json").read_text())["vocab_size"]
+    bad = [
+        ({"logit_bias": {str(vocab): 5}}, "outside the vocabulary"),
+        ({"logit_bias": {"99999999": 5}}, "outside the vocabulary"),
+        ({"logit_bias": {"-1": 5}}, "outside the vocabulary"),
+        ({"seed": -5}, "seed"),
+        ({"seed": 2 ** 64}, "seed"),
+        ({"stop": 123}, "stop"),
+        ({"stop": ["a", 1]}, "stop"),
+    ]
+    for extra, word in bad:
+        for stream in (False, True):
+            status, body = post(live["hostport"], "/v1/completions", json.dumps(
+                {"prompt": PROMPT, "max_tokens": 3, "stream": stream, **extra}))
+            assert status == 400 and word in json.loads(body)["error"], (extra, status, body)
+    assert live["proc"].poll() is None
+    # in range, the same fields are served
+    status, _ = post(live["hostport"], "/v1/completions", json.dumps(
+        {"prompt": PROMPT, "max_tokens": 3, "seed": 7, "stop": ["zz"],
+         "logit_bias": {str(vocab - 1): 0.0}}))
+    assert status == 200
+    r = live["client"].completions.create(model="default_model", prompt=PROMPT, max_tokens=N,
+                                          temperature=0)
+    assert r.choices[0].text == reference["text"]
+
+
 def test_empty_messages_is_400(live, reference):
     for messages in ([], None, "hi"):
         status, body = post(live["hostport"], "/v1/chat/completions",
