@@ -43,13 +43,33 @@ def write_usage(folder, counts, tokens):
     tmp.replace(path)
 
 
+class UsageError(ValueError):
+    """A ``usage.json`` that cannot be used as one (the message is one line)."""
+
+
 def read_usage(folder):
     """{layer: Counter} from the folder's ``usage.json``, or None without one."""
     path = Path(folder) / USAGE_NAME
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
-    return {int(l): Counter({int(e): int(n) for e, n in c.items()}) for l, c in data["layers"].items()}
+    try:
+        data = json.loads(path.read_text())
+        return {int(l): Counter({int(e): int(n) for e, n in c.items()}) for l, c in data["layers"].items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        text = str(e).strip().splitlines()
+        raise UsageError(f"{path} is not a usage file ({type(e).__name__}: {text[0] if text else ''})") from None
+
+
+def check_usage(counts, layouts, path=USAGE_NAME):
+    """UsageError unless ``counts`` name only ``layouts``' layers and experts, counted from 0 up."""
+    experts = {l.layer: l.num_experts for l in layouts}
+    for layer, c in counts.items():
+        if layer not in experts:
+            raise UsageError(f"{path}: layer {layer} is not an expert layer of this folder")
+        bad = [e for e, n in c.items() if not 0 <= e < experts[layer] or n < 0]
+        if bad:
+            raise UsageError(f"{path}: layer {layer} counts expert {bad[0]} ({c[bad[0]]} uses); "
+                             f"the layer has experts 0..{experts[layer] - 1}")
 
 
 def calibrate(folder, text, max_tokens=CALIBRATION_TOKENS):

@@ -13,7 +13,7 @@ from shared.blob import Manifest, ManifestError
 
 from . import coldstart
 from .budget import cached_expert_bytes, cached_layers, top_k
-from .predict import Calibration
+from .predict import CALIBRATION_NAME, Calibration, CalibrationError
 from .streaming import ExpertStore, patch_model
 
 DEFAULT_CACHE_FRACTION = 0.25
@@ -46,6 +46,18 @@ def check_prep_folder(model_dir) -> Manifest:
             raise PrepFolderError(f"missing blob {path}")
         if path.stat().st_size < layout.stride * layout.num_experts:
             raise PrepFolderError(f"blob {path} is shorter than its manifest says")
+    # the optional files of --calibrate, read again by the loader
+    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    try:
+        cal = Calibration.load(model_dir)
+        if cal is not None:
+            cal.check(manifest.layers, hidden if isinstance(hidden, int) else None,
+                      model_dir / CALIBRATION_NAME)
+        usage = coldstart.read_usage(model_dir)
+        if usage is not None:
+            coldstart.check_usage(usage, manifest.layers, model_dir / coldstart.USAGE_NAME)
+    except (CalibrationError, coldstart.UsageError) as e:
+        raise PrepFolderError(str(e)) from None
     return manifest
 
 

@@ -39,6 +39,10 @@ CHUNK = 256
 DEFAULT_TOKENS = 4096
 
 
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used as one (the message is one line)."""
+
+
 @dataclass
 class Calibration:
     """Fitted maps, measured use per rank, and the combined predictor's choices.
@@ -80,13 +84,34 @@ class Calibration:
             path = path / CALIBRATION_NAME
         if not path.is_file():
             return None
-        with np.load(path) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            mods = meta["modules"]
-            maps = {(mods[s], mods[d]): (z[f"w{n}"], z[f"b{n}"]) for n, (s, d) in enumerate(meta["maps"])}
-        use = {(mods[s], d, name): np.array(u) for s, d, name, u in meta["use"]}
-        choice = {(mods[s], d): (name, b) for s, d, name, b in meta["choice"]}
-        return cls(maps, use, choice, meta["text"])
+        try:
+            with np.load(path) as z:
+                meta = json.loads(bytes(z["meta"]).decode())
+                mods = meta["modules"]
+                maps = {(mods[s], mods[d]): (z[f"w{n}"], z[f"b{n}"]) for n, (s, d) in enumerate(meta["maps"])}
+            use = {(mods[s], d, name): np.array(u, dtype=np.float64) for s, d, name, u in meta["use"]}
+            choice = {(mods[s], d): (name, b) for s, d, name, b in meta["choice"]}
+            return cls(maps, use, choice, meta["text"])
+        except Exception as e:  # noqa: BLE001 - numpy, zipfile and json raise many kinds on a file that is not one
+            text = str(e).strip().splitlines()
+            raise CalibrationError(f"{path} is not a calibration file "
+                                   f"({type(e).__name__}: {text[0] if text else ''})") from None
+
+    def check(self, layouts, hidden=None, path=CALIBRATION_NAME):
+        """CalibrationError unless every map joins two of ``layouts``' expert
+        modules with the shapes their routers have (``hidden``: the model's
+        hidden size, where known), and every choice names a predictor."""
+        experts = {l.module: l.num_experts for l in layouts}
+        for (src, dst), (w, b) in self.maps.items():
+            if src not in experts or dst not in experts:
+                raise CalibrationError(f"{path}: a map joins {src} and {dst}, not both expert modules of this folder")
+            n = experts[dst]
+            if w.ndim != 2 or w.shape[1] != n or b.shape != (n,) or (hidden and w.shape[0] != hidden):
+                raise CalibrationError(f"{path}: the map {src} -> {dst} has shape {w.shape} + {b.shape}, "
+                                       f"not ({hidden or 'hidden'}, {n}) + ({n},)")
+        for (src, d), (name, breadth) in self.choice.items():
+            if name not in NAMES or not isinstance(breadth, int) or breadth < 1 or src not in experts:
+                raise CalibrationError(f"{path}: a choice of {src!r} at depth {d} is not one ({name!r}, {breadth!r})")
 
 
 def ranked(scores, breadth: int) -> mx.array:

@@ -422,9 +422,8 @@ def load_calibration(path: Path):
     """``predict.Calibration.load``, its failures on a file that is not one a RoutingError."""
     try:
         return predict.Calibration.load(path)
-    except Exception as e:  # numpy, zipfile and json raise many kinds on a file that is not one
-        shown = path if not Path(path).is_dir() else Path(path) / predict.CALIBRATION_NAME
-        raise RoutingError(f"{shown} is not a calibration file ({type(e).__name__}: {e})") from None
+    except predict.CalibrationError as e:
+        raise RoutingError(str(e)) from None
 
 
 def format_report(rep: dict) -> str:

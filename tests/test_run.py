@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
@@ -219,6 +220,23 @@ def test_broken_prep_files_and_prompts_are_one_line_exit_2(prep_model, tmp_path,
         (f / "manifest.json").write_text(json.dumps(m))
 
     assert "does not load" in broken("module", rename)
+
+    # the files of --calibrate: unreadable, or not for this folder's layers
+    from infer.predict import Calibration
+
+    layers = json.loads((prep / "manifest.json").read_text())["layers"]
+    a, b, n = layers[0]["module"], layers[1]["module"], layers[1]["num_experts"]
+    wrong = Calibration(maps={(a, b): (np.zeros((5, n), np.float32), np.zeros(n, np.float32))})
+    assert "not a calibration file" in broken("cal-garbage", lambda f: (f / "predict.npz").write_text("x"))
+    assert "has shape (5, " in broken("cal-shape", wrong.save)
+
+    def usage(text):
+        return lambda f: (f / "usage.json").write_text(text)
+
+    assert "not a usage file" in broken("usage-garbage", usage("garbage"))
+    assert "not a usage file" in broken("usage-empty", usage("{}"))
+    out_of_range = json.dumps({"layers": {str(layers[0]["layer"]): {str(layers[0]["num_experts"]): 3}}})
+    assert "the layer has experts 0.." in broken("usage-range", usage(out_of_range))
 
     line = _one_line_exit_2(run_cli(["--model", str(prep), "--ignore-chat-template",
                                      "--max-tokens", "2", "--prompt", ""]))
