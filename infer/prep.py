@@ -349,6 +349,7 @@ def copy_resident(dst: Path, tensors, stem: str, progress: Progress, shard_bytes
             "weight_map": {t.name: n for shard, n in zip(shards, names) for t in shard},
         }
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        names = [*names, "model.safetensors.index.json"]
     return names
 
 
@@ -370,6 +371,36 @@ def copy_side_files(src: Path, dst: Path, skip=()) -> List[str]:
         os.replace(dst / (p.name + ".tmp"), dst / p.name)
         copied.append(p.name)
     return copied
+
+
+def remove_stale(dst: Path, written) -> None:
+    """Remove from ``dst`` what this prep did not write: an earlier prep's
+    blobs, weights, tokenizer files and calibration (another model's, or
+    fitted on other weights). So --resume ends with the folder --force
+    would give, only faster."""
+    for p in dst.iterdir():
+        if p.name in written:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def sweep_staging(dst: Path) -> None:
+    """Remove the staging and old folders of ``--force`` runs into ``dst``
+    whose process is gone (killed before it could clean up)."""
+    for p in dst.parent.glob(f".{dst.name}.*-*"):
+        kind, _, pid = p.name[len(dst.name) + 2:].rpartition("-")
+        if kind not in ("prep", "old") or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its prep is still running
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:
+            continue  # another user's process
 
 
 def check_dst(src: Path, dst: Path, force: bool, resume: bool) -> None:
@@ -406,6 +437,7 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
     check_dst(src, dst, force, resume)
     if dst.is_dir() and any(dst.iterdir()) and force and not resume:
         # the folder being replaced stays whole until its replacement is
+        sweep_staging(dst)
         staging = dst.parent / f".{dst.name}.prep-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
@@ -454,17 +486,20 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
         (dst / (PARTIAL_MANIFEST + ".tmp")).write_text(Manifest(model_type=manifest.model_type, layers=done).to_json())
         os.replace(dst / (PARTIAL_MANIFEST + ".tmp"), partial)
 
-    copy_resident(dst, resident, "model", bar, shard_bytes)
+    written = {l.file for l in manifest.layers} | {MANIFEST_NAME, PARTIAL_MANIFEST}
+    written.update(copy_resident(dst, resident, "model", bar, shard_bytes))
     if mtp_resident:
-        copy_resident(dst, mtp_resident, "mtp", bar, shard_bytes)
+        written.update(copy_resident(dst, mtp_resident, "mtp", bar, shard_bytes))
     if converted is not None:
         from mlx_lm.utils import save_config
 
-        copy_side_files(src, dst, skip=("config.json",))
+        written.update(copy_side_files(src, dst, skip=("config.json",)))
         save_config(converted, dst / "config.json")
+        written.add("config.json")
     else:
-        copy_side_files(src, dst)
+        written.update(copy_side_files(src, dst))
     bar.end()
+    remove_stale(dst, written)
     manifest.save(dst)
     (dst / PARTIAL_MANIFEST).unlink(missing_ok=True)
     manifest.skipped = skipped  # for the summary line
@@ -480,7 +515,9 @@ def build_parser():
                    help="model folder: mlx-lm / mlx-community, or a Hugging Face download (bf16/fp16)")
     p.add_argument("--out", required=True, type=Path, help="prep folder to write")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    p.add_argument("--resume", action="store_true", help="keep layers of --out whose records already verify")
+    p.add_argument("--resume", action="store_true",
+                   help="keep layers of --out whose records already verify; what an earlier prep "
+                        "left that this one does not write (its --calibrate files too) is removed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--calibrate", type=Path, metavar="TEXT", default=None,
                    help="fit the expert predictors on this text (its first 4,096 tokens) and store "

@@ -324,6 +324,43 @@ def test_force_keeps_the_old_folder_until_the_new_one_is_whole(tmp_path, synth_m
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_resume_over_another_models_folder_gives_the_folder_force_would(tmp_path, synth_model, capsys):
+    """--resume into a folder prepped from another model once kept that
+    model's calibration, MTP weights and extra blobs, and runs used them."""
+    nxt, moe = synth_model("qwen3_next"), synth_model("qwen3_moe")
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    assert prep_main(["--model", str(nxt), "--out", str(out), "--no-progress"]) == 0
+    (out / "predict.npz").write_bytes(b"another model's calibration")
+    (out / "usage.json").write_text('{"tokens": 1, "layers": {}}')
+    (out / "layer000.blob.tmp").write_bytes(b"an interrupted write")
+    assert (out / "mtp.safetensors").exists()
+    assert prep_main(["--model", str(moe), "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert prep_main(["--model", str(moe), "--out", str(fresh), "--no-progress"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in fresh.iterdir()}
+
+
+def test_force_sweeps_the_staging_folders_of_killed_runs(tmp_path, synth_model):
+    """A `--force` run killed with SIGKILL leaves its staging folder (named
+    after its pid); the next `--force` into that folder removes it, not the
+    staging folder of a run still going."""
+    src = synth_model("qwen3_moe")
+    out = tmp_path / "out"
+    assert prep_main(["--model", str(src), "--out", str(out), "--no-progress"]) == 0
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f".out.prep-{gone.pid}"
+    dead.mkdir()
+    (dead / "layer000.blob.tmp").write_bytes(b"x" * 1000)
+    old = tmp_path / f".out.old-{gone.pid}"
+    old.mkdir()
+    alive = tmp_path / f".out.prep-{os.getppid()}"
+    alive.mkdir()
+    assert prep_main(["--model", str(src), "--out", str(out), "--force", "--no-progress"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", alive.name])
+    assert verify_main_ok(out)
+
+
 def test_a_prep_folder_as_source_is_named_as_one(tmp_path, prep_model, capsys):
     line = refuse(["--model", str(prep_model("qwen3_moe")), "--out", str(tmp_path / "o")], capsys)
     assert "is a prep folder already" in line and not (tmp_path / "o").exists()
