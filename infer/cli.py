@@ -46,6 +46,10 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader went away (`infer ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a file, folder or disk the command could not use: one line, not a traceback
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"infer {name}: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

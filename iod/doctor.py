@@ -172,6 +172,20 @@ def measure(records: _Records, size: int, depth: int, seconds: float):
     return sum(got) / wall, float(np.percentile(all_lat, 50)), float(np.percentile(all_lat, 99))
 
 
+def _unwritable(path: Path):
+    """Why ``path`` cannot be written, or None: tried by opening it (a
+    directory's mode says nothing on /proc or a read-only mount, nor to root)."""
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        path.unlink()
+    return None
+
+
 def plot(profile: disk.Profile, path: Path):
     import matplotlib
 
@@ -212,6 +226,10 @@ def main(args) -> int:
         return 2
     if args.plot is not None and not args.plot.absolute().parent.is_dir():
         print(f"iod doctor: --plot {args.plot}: no such directory", file=sys.stderr)
+        return 2
+    why = _unwritable(args.plot) if args.plot is not None else None
+    if why:
+        print(f"iod doctor: --plot {args.plot}: {why}", file=sys.stderr)
         return 2
     scratch = None
     if args.model is not None:
@@ -266,12 +284,16 @@ def main(args) -> int:
         return 1
     print(f"ceiling {profile.ceiling / 1e6:.0f} MB/s, reached (≥{disk.KNEE:.0%}) at depth "
           f"{profile.knee}; reads bypass the page cache ({mode})", file=sys.stderr)
-    if args.plot:
-        plot(profile, args.plot)
     if not args.no_save:
         where = disk.save(profile)
         print(f"stored in {where}: iod reads with {disk.workers()} threads from its next start",
               file=sys.stderr)
+    if args.plot:
+        try:
+            plot(profile, args.plot)
+        except OSError as e:  # the curve is stored and printed: only the picture is lost
+            print(f"iod doctor: --plot {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
     return 0

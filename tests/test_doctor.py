@@ -60,6 +60,7 @@ def test_doctor_measures_stores_and_the_daemon_reads_at_the_knee(tmp_path, monke
     ("--scratch", ["--dir", "{tmp}", "--scratch", "-1"]),
     ("--scratch", ["--dir", "{tmp}", "--scratch", "100"]),
     ("--plot", ["--dir", "{tmp}", "--plot", "/nonexistent/curve.png"]),
+    ("--plot", ["--dir", "{tmp}", "--plot", "/proc/curve.png"]),  # a folder no file can be made in
     ("--dir", ["--dir", "{tmp}/a-file"]),
     ("--model", ["--model", "/nonexistent"])])
 @pytest.mark.parametrize("save", [[], ["--no-save"]])

@@ -248,6 +248,26 @@ def test_broken_prep_files_and_prompts_are_one_line_exit_2(prep_model, tmp_path,
         ["infer run: the prompt on stdin is not UTF-8 text"]
 
 
+def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(synth_model, prep_model, run_dir):
+    """A full disk under stdout (/dev/full) and an --out no file can be made
+    in (/proc) were tracebacks: now one line, exit 1, and the private
+    daemon, its run folder and its shared memory are gone."""
+    prep = prep_model("qwen3_moe")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "infer.cli", "run", "--model", str(prep),
+                            "--max-tokens", "4", "--dtype", "float32", "--prompt", "hi"],
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
+                           env=dict(os.environ))
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == \
+        ["infer run: No space left on device"], r.stderr
+    assert not list(run_dir.iterdir()) and not shm_entries()
+    r = subprocess.run([sys.executable, "-m", "infer.cli", "prep", "--model", str(synth_model("qwen3_moe")),
+                        "--out", "/proc/no-such-prep", "--no-progress"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == \
+        ["infer prep: /proc/no-such-prep: No such file or directory"], r.stderr
+
+
 def test_daemon_death_stops_session_quickly(prep_model, run_dir):
     daemon = LiveDaemon(run_dir)
     prep = prep_model("qwen3_moe")
