@@ -19,6 +19,8 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 512M, 4G)")
     if value < 0:
         raise ValueError(f"negative size: {text!r}")
+    if not unit and value != int(value):  # "2.5" meant 2.5G, not 2 bytes
+        raise ValueError(f"not a whole number of bytes: {text!r} (give a unit: 2.5G, 512M)")
     return int(value * _UNITS[unit])
 
 

@@ -300,7 +300,7 @@ def test_parse_size():
     assert parse_size("2G") == 2 << 30 and parse_size("512M") == 512 << 20
     assert parse_size("64k") == 64 << 10 and parse_size("1048576") == 1 << 20
     assert parse_size("1.5GiB") == 3 << 29
-    for bad in ("0", "-1M", "lots"):
+    for bad in ("0", "-1M", "lots", "2.5"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_size(bad)
 
