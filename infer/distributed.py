@@ -237,7 +237,10 @@ def launch(command, ranks, extra_args=()) -> int:
     cmd = [launcher(), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
            "--starting-port", str(_free_ports(ranks)), "--env", f"{STATUS_ENV}={status}",
            "--", sys.executable, "-m", "infer.cli", command, *extra_args]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+    # mlx.launch's rank scripts leave a pid file and a host file (mktemp) in
+    # TMPDIR: made in the status folder, they go with it
+    env = dict(os.environ, TMPDIR=str(status))
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     forwarded = []
 
     def forward(signum, frame):

@@ -60,12 +60,14 @@ def test_two_ranks_give_mlx_lm_greedy_ids(synth_model, prep_model, arch):
     assert stats["activation_bytes_per_token"] == 3 * hidden * 4
 
 
-def test_ranks_print_what_one_process_prints(prep_model):
+def test_ranks_print_what_one_process_prints(prep_model, tmp_path):
     prep = prep_model("qwen3_moe")
     base = ["--model", str(prep), "--prompt", PROMPT, "--max-tokens", "12"]
     one = run_cli(base)
-    two = run_cli(base + ["--ranks", "2"], timeout=300)
+    # mlx.launch's rank scripts once left their pid and host files in TMPDIR
+    two = run_cli(base + ["--ranks", "2"], env={"TMPDIR": str(tmp_path)}, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert not list(tmp_path.iterdir())
     text = lambda out: out.split("==========")[1]
     assert two.stdout.count("==========") == 2
     assert text(two.stdout) == text(one.stdout)
