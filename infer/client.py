@@ -230,10 +230,12 @@ class IodClient(ExpertSource):
             proc, pid = spawn(sock, ["--arena", str(self._arena_size), "--workers",
                                      str(self._workers), "--no-prefault"],
                               log=folder / "iod.log", parent_fd=r)
-        except RuntimeError as e:
+        except BaseException as e:  # refused, or interrupted while it started (spawn stopped it)
             os.close(w)
             shutil.rmtree(folder, ignore_errors=True)
-            raise DaemonDead(f"cannot start a private iod: {e}") from None
+            if isinstance(e, RuntimeError):
+                raise DaemonDead(f"cannot start a private iod: {e}") from None
+            raise
         finally:
             os.close(r)
         self._private = (proc, folder, w)

@@ -141,6 +141,9 @@ def spawn(sock: Path, extra=(), log=None, parent_fd=None, env=None):
             out.close()
     try:
         line = _read_line(r, timeout=60.0)
+    except BaseException:  # interrupted while it starts: the child must not outlive this
+        _stop_child(proc)
+        raise
     finally:
         os.close(r)
     if line.startswith("READY"):
@@ -151,6 +154,17 @@ def spawn(sock: Path, extra=(), log=None, parent_fd=None, env=None):
     reason = line.removeprefix("ERROR ").strip() or _last_log_line(log) or \
         f"daemon exited with status {proc.returncode}"
     raise RuntimeError(reason)
+
+
+def _stop_child(proc, grace_s=5.0):
+    """SIGTERM (the daemon then removes its socket and shared memory), and
+    SIGKILL if it is still there after ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _last_log_line(log) -> str:

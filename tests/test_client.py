@@ -43,6 +43,29 @@ def test_auto_spawns_and_stops_private_daemon(model, run_dir):
     assert list(run_dir.iterdir()) == []  # the private run dir is gone too
 
 
+@pytest.mark.parametrize("when", ["starting", "ready"])
+def test_interrupted_while_the_private_daemon_starts_leaves_nothing(model, run_dir, monkeypatch, when):
+    """Ctrl-C or SIGTERM while the private daemon started (before its READY
+    line, or just after) once left its run dir, and the daemon until the
+    process exited."""
+    import shared.launch as launch
+
+    real = launch._read_line
+
+    def interrupted(fd, timeout):
+        if when == "ready":
+            assert real(fd, timeout).startswith("READY")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "_read_line", interrupted)
+    before, shm_before = _children(), set(shm_entries())
+    with pytest.raises(KeyboardInterrupt):
+        IodClient(model, arena="16M")
+    assert _children() - before == set()
+    assert set(shm_entries()) == shm_before
+    assert list(run_dir.iterdir()) == []
+
+
 def test_auto_uses_shared_daemon(model, run_dir):
     d = LiveDaemon(folder=run_dir, args=["--arena", "16M"])
     try:
