@@ -161,28 +161,35 @@ def _after_text(args):
 
 
 class Terminated(BaseException):
-    """SIGTERM (e.g. from `timeout`): unwinds like Ctrl-C, so the client's
-    close stops a private daemon and removes its run dir."""
+    """SIGTERM (e.g. from `timeout`) or SIGHUP (its terminal closed): unwinds
+    like Ctrl-C, so the client's close stops a private daemon and removes its
+    run dir."""
 
 
 def _terminate(signum, frame):
-    raise Terminated
+    raise Terminated(signum)
 
 
 def _guarded(args) -> int:
     import signal
 
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a caller's own handler wins
-        signal.signal(signal.SIGTERM, _terminate)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:  # a caller's own handler wins
+            signal.signal(sig, _terminate)
     try:
         return _main(args)
     except KeyboardInterrupt:
         # the client's close (in _main's finally) has already stopped a private daemon
         print("\ninfer run: interrupted", file=sys.stderr)
         return 130
-    except Terminated:
-        print("\ninfer run: terminated", file=sys.stderr)
-        return 143
+    except Terminated as e:
+        signum = e.args[0]
+        try:  # a closed terminal may refuse the line
+            print(f"\ninfer run: {'hung up' if signum == signal.SIGHUP else 'terminated'}",
+                  file=sys.stderr)
+        except OSError:
+            pass
+        return 128 + signum
     except BrokenPipeError:  # e.g. `infer run ... | head`: stop quietly
         sys.stdout = open(os.devnull, "w")
         return 0

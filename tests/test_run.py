@@ -422,7 +422,8 @@ def _daemons_under(folder):
 
 
 @pytest.mark.parametrize("sig,rc_want,line", [(signal.SIGINT, 130, "infer run: interrupted"),
-                                              (signal.SIGTERM, 143, "infer run: terminated")])
+                                              (signal.SIGTERM, 143, "infer run: terminated"),
+                                              (signal.SIGHUP, 129, "infer run: hung up")])
 def test_ctrl_c_or_sigterm_is_one_line_and_leaves_no_daemon(prep_model, run_dir, sig, rc_want, line):
     from tests.iod_fixtures import wait_for
 
@@ -437,8 +438,10 @@ def test_ctrl_c_or_sigterm_is_one_line_and_leaves_no_daemon(prep_model, run_dir,
             assert proc.stdout.read(16), proc.stderr.read()  # generating
             daemons = _daemons_under(run_dir)
             assert len(daemons) == 1
-            if sig == signal.SIGINT:
-                os.killpg(proc.pid, sig)  # as Ctrl-C in a terminal: the whole group
+            if sig in (signal.SIGINT, signal.SIGHUP):
+                # as Ctrl-C in a terminal, or the terminal closed: the whole
+                # group, the private daemon included
+                os.killpg(proc.pid, sig)
             else:
                 os.kill(proc.pid, sig)  # as `timeout` does: the process alone
             rc = proc.wait(timeout=30)
