@@ -7,7 +7,9 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
+
+from shared.paths import tmp_beside
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = ("cast the weights (experts included) to this dtype; default: the folder's. "
@@ -127,29 +129,15 @@ def mx_dtype(name):
     return None if name is None else getattr(mx, name)
 
 
-def check_out(path: Path, flag: str) -> Optional[str]:
-    """Why ``path`` cannot be written as an output file, or None. A file is
-    created and removed beside it: what is refused is refused before the work."""
-    if path.is_dir():
-        return f"{flag} {path} is a folder"
-    if not path.parent.is_dir():
-        return f"{flag} {path}: {path.parent} is not a folder"
-    probe = _tmp_of(path)
-    try:
-        probe.open("x").close()
-        probe.unlink()
-    except OSError as e:
-        return f"{flag} {path}: cannot write there ({e.strerror})"
-    return None
-
-
-def _tmp_of(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def first_line(e) -> str:
+    """An exception's message, its first line only (else its type's name)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]):
     """``write(tmp)`` beside ``path``, then renamed over it: a failed write leaves nothing."""
-    tmp = _tmp_of(path)
+    tmp = tmp_beside(path)
     try:
         write(tmp)
         os.replace(tmp, path)

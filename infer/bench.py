@@ -30,10 +30,11 @@ import threading
 import time
 from pathlib import Path
 
+from shared.paths import check_out
 from shared.units import format_size, parse_size
 
 from . import bench_draft
-from .args import (Parser, add_dtype, check_out, mx_dtype, nonneg_float, nonneg_int, positive_int,
+from .args import (Parser, add_dtype, mx_dtype, nonneg_float, nonneg_int, positive_int,
                    write_atomic)
 
 MODES = ("resident", "sync", "inproc", "iod")

@@ -102,9 +102,11 @@ class MemoryPlan:
         return " + ".join(parts)
 
 
-def _config(model_dir) -> dict:
+def model_config(model_dir) -> dict:
+    """config.json, with a text_config's keys (VLM wrappers) under the top level's."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    return {**config.get("text_config", {}), **config}
+    text = config.get("text_config")
+    return {**(text if isinstance(text, dict) else {}), **config}
 
 
 def _safetensors_header(path) -> dict:
@@ -152,7 +154,7 @@ def stack_record_bytes(layout, dtype=None) -> int:
 
 def top_k(model_dir) -> int:
     """Experts each token is routed to (the model's top-k)."""
-    config = _config(model_dir)
+    config = model_config(model_dir)
     return int(config.get("num_experts_per_tok") or config.get("moe_topk") or 8)
 
 
@@ -160,7 +162,7 @@ def kv_bytes_per_token(model_dir, dtype=None) -> int:
     """KV cache bytes per token of context, all layers: 2 × KV heads × head
     dim per layer (full attention everywhere: an upper bound for models with
     linear-attention or sliding-window layers)."""
-    c = _config(model_dir)
+    c = model_config(model_dir)
     layers = int(c.get("num_hidden_layers", 1))
     hidden = int(c.get("hidden_size", 1024))
     heads = int(c.get("num_attention_heads", 1))
@@ -177,7 +179,7 @@ def kv_bytes_per_token(model_dir, dtype=None) -> int:
 def activation_bytes(model_dir, step, context, dtype=None) -> int:
     """One prefill step of ``step`` tokens at ``context``: the hidden states
     and MLP intermediates of a layer, the attention scores."""
-    c = _config(model_dir)
+    c = model_config(model_dir)
     hidden = int(c.get("hidden_size", 1024))
     heads = int(c.get("num_attention_heads", 1))
     inter = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 4 * hidden)

@@ -15,6 +15,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from .args import first_line
+
 USAGE_NAME = "usage.json"
 CALIBRATION_TOKENS = 512  # enough for the popular experts of a layer to stand out
 
@@ -56,8 +58,7 @@ def read_usage(folder):
         data = json.loads(path.read_text())
         return {int(l): Counter({int(e): int(n) for e, n in c.items()}) for l, c in data["layers"].items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        text = str(e).strip().splitlines()
-        raise UsageError(f"{path} is not a usage file ({type(e).__name__}: {text[0] if text else ''})") from None
+        raise UsageError(f"{path} is not a usage file ({type(e).__name__}: {first_line(e)})") from None
 
 
 def check_usage(counts, layouts, path=USAGE_NAME):

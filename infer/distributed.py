@@ -12,7 +12,6 @@ its host, within its own memory budget. Rank 0 prints.
 
 import dataclasses
 import functools
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+from .budget import model_config
 
 STATUS_ENV = "INFER_RANK_STATUS"  # folder where each local rank leaves its exit status
 RANK_EXIT_S = 30  # after a forwarded signal, how long the ranks have to leave
@@ -51,11 +52,6 @@ def rank() -> int:
     return g.rank() if g is not None else 0
 
 
-def _config(model_dir):
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return {**config.get("text_config", {}), **config}
-
-
 def check_pipelined(model_dir, ranks=None):
     """ValueError unless mlx-lm can pipeline the folder's architecture (over
     ``ranks`` ranks: each needs a decoder layer of its own)."""
@@ -63,7 +59,7 @@ def check_pipelined(model_dir, ranks=None):
 
     from mlx_lm.models.pipeline import PipelineMixin
 
-    config = _config(model_dir)
+    config = model_config(model_dir)
     model_type = config["model_type"]
     layers = config.get("num_hidden_layers")
     if ranks is not None and isinstance(layers, int) and ranks > layers:
@@ -90,7 +86,7 @@ def layer_range(num_layers, g):
 def rank_manifest(manifest, model_dir, g):
     """The manifest of this rank's layers only: its store, cache and budget
     cover those (an MTP head's layers stay out: --draft does not pipeline)."""
-    start, end = layer_range(int(_config(model_dir)["num_hidden_layers"]), g)
+    start, end = layer_range(int(model_config(model_dir)["num_hidden_layers"]), g)
 
     def own(layout):
         m = _MODULE_LAYER.match(layout.module)

@@ -12,7 +12,8 @@ from mlx_lm.utils import _get_classes, load_model
 from shared.blob import Manifest, ManifestError
 
 from . import coldstart
-from .budget import cached_expert_bytes, cached_layers, top_k
+from .args import first_line
+from .budget import cached_expert_bytes, cached_layers, model_config, top_k
 from .predict import CALIBRATION_NAME, Calibration, CalibrationError
 from .streaming import ExpertStore, patch_model
 
@@ -25,6 +26,12 @@ class PrepFolderError(ValueError):
 
 def check_prep_folder(model_dir) -> Manifest:
     """The folder's manifest, or PrepFolderError saying what is wrong."""
+    return read_prep_folder(model_dir)[0]
+
+
+def read_prep_folder(model_dir):
+    """(manifest, calibration or None, usage counts or None) of a prep
+    folder, each checked against the others, or PrepFolderError."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise PrepFolderError(f"{model_dir} is not a folder")
@@ -37,7 +44,7 @@ def check_prep_folder(model_dir) -> Manifest:
     try:  # read again by the loader and the budget: a broken one stops here
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise PrepFolderError(f"{model_dir / 'config.json'}: {_first_line(e)}") from None
+        raise PrepFolderError(f"{model_dir / 'config.json'}: {first_line(e)}") from None
     if not isinstance(config, dict):
         raise PrepFolderError(f"{model_dir / 'config.json'} is not a JSON object")
     for layout in manifest.layers:
@@ -46,8 +53,8 @@ def check_prep_folder(model_dir) -> Manifest:
             raise PrepFolderError(f"missing blob {path}")
         if path.stat().st_size < layout.stride * layout.num_experts:
             raise PrepFolderError(f"blob {path} is shorter than its manifest says")
-    # the optional files of --calibrate, read again by the loader
-    hidden = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    # the optional files of --calibrate
+    hidden = model_config(model_dir).get("hidden_size")
     try:
         cal = Calibration.load(model_dir)
         if cal is not None:
@@ -58,12 +65,7 @@ def check_prep_folder(model_dir) -> Manifest:
             coldstart.check_usage(usage, manifest.layers, model_dir / coldstart.USAGE_NAME)
     except (CalibrationError, coldstart.UsageError) as e:
         raise PrepFolderError(str(e)) from None
-    return manifest
-
-
-def _first_line(e) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return manifest, cal, usage
 
 
 def cast_model(model, dtype):
@@ -93,16 +95,16 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     (``infer.budget.split_cache``); False splits the cache evenly, as a
     ``--mem-budget`` plan counts it."""
     model_dir = Path(model_dir)
-    manifest = check_prep_folder(model_dir)
+    manifest, calibration, usage = read_prep_folder(model_dir)
     if group is not None:
         from . import distributed
 
         manifest = distributed.rank_manifest(manifest, model_dir, group)
     if cache_bytes is None:
         cache_bytes = int(cached_expert_bytes(manifest, mtp_cache) * DEFAULT_CACHE_FRACTION)
-    store = ExpertStore(manifest, source, cache_bytes, calibration=Calibration.load(model_dir),
+    store = ExpertStore(manifest, source, cache_bytes, calibration=calibration,
                         cached=[l.layer for l in cached_layers(manifest, mtp_cache)],
-                        usage=coldstart.read_usage(model_dir) if whole_layers else None,
+                        usage=usage if whole_layers else None,
                         top_k=top_k(model_dir))
     store.dtype = dtype
     store.set_disk(model_dir)
@@ -146,7 +148,7 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
         model, config = load_model(model_dir, lazy=True, strict=group is None,
                                    get_model_classes=get_classes)
     except (ValueError, RuntimeError, KeyError, OSError) as e:  # e.g. a hand-edited folder
-        raise PrepFolderError(f"{model_dir}: the model does not load: {_first_line(e)}") from None
+        raise PrepFolderError(f"{model_dir}: the model does not load: {first_line(e)}") from None
     if group is not None:
         distributed.pipeline(model.model, group)
     if dtype is not None:
@@ -159,7 +161,7 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
             model_dir, tokenizer_config or {}, eos_token_ids=config.get("eos_token_id")
         )
     except (ValueError, RuntimeError, KeyError, OSError) as e:
-        raise PrepFolderError(f"{model_dir}: the tokenizer does not load: {_first_line(e)}") from None
+        raise PrepFolderError(f"{model_dir}: the tokenizer does not load: {first_line(e)}") from None
     if preload and source is not None:  # (infer bench sets its source later)
         coldstart.preload(store, model_dir)
     return model, tokenizer, store

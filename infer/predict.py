@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .args import first_line
+
 CALIBRATION_NAME = "predict.npz"
 DEPTHS = (1, 2, 3)
 NAMES = ("router", "linear", "temporal")
@@ -93,9 +95,8 @@ class Calibration:
             choice = {(mods[s], d): (name, b) for s, d, name, b in meta["choice"]}
             return cls(maps, use, choice, meta["text"])
         except Exception as e:  # noqa: BLE001 - numpy, zipfile and json raise many kinds on a file that is not one
-            text = str(e).strip().splitlines()
             raise CalibrationError(f"{path} is not a calibration file "
-                                   f"({type(e).__name__}: {text[0] if text else ''})") from None
+                                   f"({type(e).__name__}: {first_line(e)})") from None
 
     def check(self, layouts, hidden=None, path=CALIBRATION_NAME):
         """CalibrationError unless every map joins two of ``layouts``' expert

@@ -41,8 +41,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from shared.paths import check_out
+
 from . import predict
-from .args import check_out, write_atomic
+from .args import write_atomic
 from .belady import LRU, belady_layer
 
 DEPTHS = (1, 2, 3)

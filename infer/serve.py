@@ -31,6 +31,7 @@ from shared.units import parse_size
 
 from .args import (Parser, add_dtype, add_sampling, add_version, iod_target, json_object, mx_dtype,
                    port_int, positive_int)
+from .budget import model_config
 from .loader import PrepFolderError, check_prep_folder, load_streaming
 
 MODELS = ("Model names: a request's \"model\" may be the folder's name (what /v1/models lists), "
@@ -186,17 +187,6 @@ def model_names(model, given=None):
     return {"default_model", model, given or model, str(folder.resolve()), folder.resolve().name}
 
 
-def vocab_size(model):
-    """The served folder's vocabulary size (its config's, or its text
-    config's), or None where the config does not say."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    n = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return n if isinstance(n, int) and n > 0 else None
-
-
 def _handler_class(model, given=None):
     """mlx-lm's request handler, with /v1/models listing the served folder
     (mlx-lm's lists the Hugging Face cache, and fails without one)."""
@@ -204,7 +194,7 @@ def _handler_class(model, given=None):
 
     listed = Path(model).resolve().name
     names = model_names(model, given)
-    vocab = vocab_size(model)
+    vocab = model_config(model).get("vocab_size")  # a checked prep folder's
 
     class Handler(mlx_server.APIHandler):
         def do_POST(self):

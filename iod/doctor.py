@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from shared import disk
+from shared import disk, paths
 
 from .argtypes import count, number
 
@@ -172,20 +172,6 @@ def measure(records: _Records, size: int, depth: int, seconds: float):
     return sum(got) / wall, float(np.percentile(all_lat, 50)), float(np.percentile(all_lat, 99))
 
 
-def _unwritable(path: Path):
-    """Why ``path`` cannot be written, or None: tried by opening it (a
-    directory's mode says nothing on /proc or a read-only mount, nor to root)."""
-    existed = path.exists()
-    try:
-        with open(path, "ab"):
-            pass
-    except OSError as e:
-        return e.strerror or str(e)
-    if not existed:
-        path.unlink()
-    return None
-
-
 def plot(profile: disk.Profile, path: Path):
     import matplotlib
 
@@ -224,12 +210,9 @@ def main(args) -> int:
     if args.dir is not None and args.dir.exists() and not args.dir.is_dir():
         print(f"iod doctor: --dir {args.dir}: not a directory", file=sys.stderr)
         return 2
-    if args.plot is not None and not args.plot.absolute().parent.is_dir():
-        print(f"iod doctor: --plot {args.plot}: no such directory", file=sys.stderr)
-        return 2
-    why = _unwritable(args.plot) if args.plot is not None else None
+    why = args.plot is not None and paths.check_out(args.plot, "--plot")
     if why:
-        print(f"iod doctor: --plot {args.plot}: {why}", file=sys.stderr)
+        print(f"iod doctor: {why}", file=sys.stderr)
         return 2
     scratch = None
     if args.model is not None:

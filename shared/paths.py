@@ -1,4 +1,5 @@
-"""Where iod's files live: run dir, socket, lock, shared-memory names."""
+"""Where iod's files live: run dir, socket, lock, shared-memory names; and
+whether a command's output file can be written where it is asked for."""
 
 import os
 import re
@@ -65,3 +66,25 @@ def shm_pid(name: str) -> int:
 
 def endpoint(sock: Path) -> str:
     return f"ipc://{sock}"
+
+
+def tmp_beside(path: Path) -> Path:
+    """A temporary name beside ``path``, this process's own."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def check_out(path: Path, flag: str):
+    """Why ``path`` cannot be written as an output file, or None. A file is
+    created and removed beside it: what is refused is refused before the work
+    (a folder's mode says nothing on /proc or a read-only mount, nor to root)."""
+    if path.is_dir():
+        return f"{flag} {path} is a folder"
+    if not path.parent.is_dir():
+        return f"{flag} {path}: {path.parent} is not a folder"
+    probe = tmp_beside(path)
+    try:
+        probe.open("x").close()
+        probe.unlink()
+    except OSError as e:
+        return f"{flag} {path}: cannot write there ({e.strerror})"
+    return None
