@@ -3,6 +3,6 @@
 
 def load(model_dir, iod="auto", **kwargs):
     """Load a prep folder as ``(model, tokenizer)`` usable with mlx_lm.generate."""
-    from .loader import load as _load
+    from infer.runtime.loader import load as _load
 
     return _load(model_dir, iod=iod, **kwargs)

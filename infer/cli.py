@@ -7,12 +7,12 @@ import sys
 # command -> module with a main(argv) -> int
 COMMANDS = {
     "run": ("infer.run", "generate text with experts streamed through iod"),
-    "prep": ("infer.prep", "convert an mlx-lm MoE model into a prep folder"),
-    "verify": ("infer.verify", "check every expert record of a prep folder"),
-    "synth": ("infer.synth", "build a random-weight model of a real architecture"),
-    "train": ("infer.train", "train a small MoE language model on a text corpus"),
-    "routing": ("infer.routing", "routing statistics of a model over a text"),
-    "bench": ("infer.bench", "compare resident, streaming and iod decoding"),
+    "prep": ("infer.prep.prep", "convert an mlx-lm MoE model into a prep folder"),
+    "verify": ("infer.prep.verify", "check every expert record of a prep folder"),
+    "synth": ("infer.synth.synth", "build a random-weight model of a real architecture"),
+    "train": ("infer.train.train", "train a small MoE language model on a text corpus"),
+    "routing": ("infer.tools.routing", "routing statistics of a model over a text"),
+    "bench": ("infer.tools.bench", "compare resident, streaming and iod decoding"),
     "serve": ("infer.serve", "OpenAI-compatible HTTP server on a shared iod"),
 }
 
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
         print(usage())
         return 0 if argv else 2
     if argv[0] == "--version":
-        from .args import version
+        from infer.args import version
 
         print(f"infer: {version()}")
         return 0

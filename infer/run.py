@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shared.units import format_size, parse_size
 
-from .args import (Parser, add_dtype, add_sampling, add_version, iod_target, positive_float, positive_int,
+from infer.args import (Parser, add_dtype, add_sampling, add_version, iod_target, positive_float, positive_int,
                    seed_int, str2bool)
 
 EPILOG = ("mlx-lm's flags work as in mlx_lm.generate (-m is --max-tokens, -p is --prompt). "
@@ -16,7 +16,7 @@ EPILOG = ("mlx-lm's flags work as in mlx_lm.generate (-m is --max-tokens, -p is 
 
 
 def build_parser():
-    from .speculative import DRAFTS
+    from infer.spec.decoder import DRAFTS
 
     p = Parser(prog="infer run", description=__doc__.split(": ", 1)[1], epilog=EPILOG)
     p.add_argument("--model", required=True, help="prep folder (made by `infer prep`)")
@@ -90,7 +90,7 @@ def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens):
         "bytes_read": store.stats["fetched_bytes"],
         "stall_s": store.stats["stall_s"],
         "prediction": store.prediction_stats(),
-        "gate": store.gate.stats(),  # infer.gate: passes with prediction on and off
+        "gate": store.gate.stats(),  # infer.runtime.gate: passes with prediction on and off
     }
 
 
@@ -146,7 +146,7 @@ def prep_folder_hint(model):
 
 
 def main(argv=None) -> int:
-    from .distributed import leave_status
+    from infer.runtime.distributed import leave_status
 
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)  # for --ranks' ranks
@@ -196,10 +196,10 @@ def _guarded(args) -> int:
 
 
 def _main(args) -> int:
-    from . import distributed
-    from .loader import PrepFolderError, check_prep_folder
-    from .mtp import drafts_with_mtp
-    from .speculative import check_draft
+    from infer.runtime import distributed
+    from infer.runtime.loader import PrepFolderError, check_prep_folder
+    from infer.spec.mtp import drafts_with_mtp
+    from infer.spec.decoder import check_draft
 
     # every check that needs no model comes before loading one
     try:
@@ -230,7 +230,7 @@ def _main(args) -> int:
             distributed.quiet_unless_rank0()
         cache_bytes, client_kw, plan = None, {}, None
         if args.mem_budget is not None:
-            from .budget import context_tokens, plan_session
+            from infer.runtime.budget import context_tokens, plan_session
 
             context = context_tokens(prompt, args.max_tokens, args.system_prompt, args.max_kv_size)
             plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
@@ -245,8 +245,8 @@ def _main(args) -> int:
         stdin_prompt = ["--prompt", prompt] if args.prompt == "-" else []
         return distributed.launch("run", args.ranks, args.argv + stdin_prompt)
 
-    from .budget import top_k
-    from .client import DaemonDead, IodClient, IodError
+    from infer.runtime.budget import top_k
+    from infer.runtime.client import DaemonDead, IodClient, IodError
 
     try:
         source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model),
@@ -290,17 +290,17 @@ def _main(args) -> int:
 
 def generate(args, source, manifest, prompt, cache_bytes, plan=None):
     """Load, then stream the text to stdout; (stats, token ids, text).
-    ``plan``: the ``--mem-budget`` plan (``infer.budget.MemoryPlan``) or None."""
+    ``plan``: the ``--mem-budget`` plan (``infer.runtime.budget.MemoryPlan``) or None."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from . import budget
-    from .args import mx_dtype
-    from .distributed import group
-    from .loader import load_streaming
-    from .mtp import drafts_with_mtp
-    from .speculative import DraftedStream
+    from infer.runtime import budget
+    from infer.args import mx_dtype
+    from infer.runtime.distributed import group
+    from infer.runtime.loader import load_streaming
+    from infer.spec.mtp import drafts_with_mtp
+    from infer.spec.decoder import DraftedStream
 
     dtype = mx_dtype(args.dtype)
     if plan is not None:
@@ -313,7 +313,7 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None):
         budget.release_page_cache(args.model)
     profiler = None
     if args.profile:
-        from .profile import attach
+        from infer.tools.profile import attach
 
         profiler = attach(store, source)
     ids = encode_prompt(tokenizer, prompt, args.ignore_chat_template, args.system_prompt)
@@ -333,7 +333,7 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None):
                                   args.num_draft, args.max_tokens, manifest)
         mtp = responses.kwargs.get("mtp")
         if dtype is not None and mtp is not None:
-            from .loader import cast_model
+            from infer.runtime.loader import cast_model
 
             cast_model(mtp.head, dtype)
     show = not args.json

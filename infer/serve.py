@@ -7,7 +7,7 @@ through iod, and ``/v1/models`` lists that folder. The server process is one ses
 daemon: several servers and ``infer run`` processes share its reads.
 
 With ``--ranks N`` (or under ``mlx.launch``) the model is pipelined over the
-ranks as in ``infer run --ranks`` (infer.distributed); mlx-lm's server does
+ranks as in ``infer run --ranks`` (infer.runtime.distributed); mlx-lm's server does
 the rest: rank 0 serves HTTP and shares each request with the other ranks,
 which generate in step with it.
 """
@@ -29,10 +29,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from shared.units import parse_size
 
-from .args import (Parser, add_dtype, add_sampling, add_version, iod_target, json_object, mx_dtype,
+from infer.args import (Parser, add_dtype, add_sampling, add_version, iod_target, json_object, mx_dtype,
                    port_int, positive_int)
-from .budget import model_config
-from .loader import PrepFolderError, check_prep_folder, load_streaming
+from infer.runtime.budget import model_config
+from infer.runtime.loader import PrepFolderError, check_prep_folder, load_streaming
 
 MODELS = ("Model names: a request's \"model\" may be the folder's name (what /v1/models lists), "
           "the --model argument as given, its absolute path, or \"default_model\"; "
@@ -163,7 +163,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.reset()
         gc.collect()
         mx.clear_cache()
-        from .distributed import group
+        from infer.runtime.distributed import group
 
         # a --mem-budget plan counts an even split of the cache
         model, tokenizer, store = load_streaming(
@@ -298,7 +298,7 @@ def _leave(rc):
     process ("terminate called without an active exception", about one
     SIGTERM in four here), and a rank's generation thread may be waiting in
     a collective on ranks already gone."""
-    from .distributed import leave_status
+    from infer.runtime.distributed import leave_status
 
     leave_status(rc)
     logging.shutdown()
@@ -322,7 +322,7 @@ def _exit_rank(source):
 
 
 def main(argv=None) -> int:
-    from .distributed import leave_status
+    from infer.runtime.distributed import leave_status
 
     rc = _main(argv)
     leave_status(rc)  # under --ranks: this rank's status, for the launcher
@@ -331,9 +331,9 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from . import distributed
-    from .budget import top_k
-    from .client import IodClient, IodError
+    from infer.runtime import distributed
+    from infer.runtime.budget import top_k
+    from infer.runtime.client import IodClient, IodError
 
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
@@ -353,7 +353,7 @@ def _main(argv=None) -> int:
             args.iod = args.iod.replace("{rank}", str(g.rank()))  # a daemon per rank
         cache_bytes, client_kw = None, {}
         if args.mem_budget is not None:
-            from .budget import plan_session
+            from infer.runtime.budget import plan_session
 
             plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
                                            dtype=args.dtype)

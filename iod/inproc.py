@@ -1,6 +1,6 @@
 """The daemon's core inside an inference process, with its own reader threads.
 
-``InprocSource`` is an ``ExpertSource`` like ``infer.client.IodClient``,
+``InprocSource`` is an ``ExpertSource`` like ``infer.runtime.client.IodClient``,
 with the same scheduler, arena, directory and pins, but no socket and no
 second process: a demand is a method call, and the caller waits on the
 reader pool's completions. It is what the benchmarks compare iod with (the

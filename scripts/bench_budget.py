@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infer.bench import proc_status  # noqa: E402
+from infer.tools.bench import proc_status  # noqa: E402
 from shared.units import format_size, parse_size  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def main(argv=None):
     p.add_argument("--prompt", default="The lighthouse keeper counted the ships that passed")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    from infer.budget import plan_memory
+    from infer.runtime.budget import plan_memory
     from shared.blob import Manifest
 
     manifest = Manifest.load(args.model)

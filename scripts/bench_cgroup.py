@@ -73,7 +73,7 @@ def resolve_budget(text, model, dtype, context):
 
 def minimum_of(model, dtype, context):
     """The smallest budget ``infer run`` accepts for this model (private daemon)."""
-    from infer.budget import minimum_budget
+    from infer.runtime.budget import minimum_budget
     from shared.blob import Manifest
 
     return minimum_budget(model, Manifest.load(model), dtype=dtype, context=context)
@@ -141,7 +141,9 @@ def fmt_tps(s):
 def make_model(out: Path, seed=0):
     """The benchmark model: a Hugging Face folder (bf16, for llama.cpp's
     converter and for `infer prep`) and its prep folder."""
-    from infer import prep, synth, synth_presets
+    from infer.prep import prep
+    from infer.synth import synth
+    from infer.synth import presets as synth_presets
 
     synth_presets.SIZES["cgroup-bench"] = BENCH_SIZES
     synth.PRESETS = synth_presets.PRESETS = tuple(synth_presets.SIZES) + tuple(synth_presets.REAL)
@@ -181,7 +183,7 @@ def main(argv=None):
     if why:
         print(f"bench_cgroup: no memory cgroup: {why}", file=sys.stderr)
         return 2
-    from infer.budget import context_tokens, plan_memory
+    from infer.runtime.budget import context_tokens, plan_memory
     from shared.blob import Manifest
 
     context = context_tokens(args.prompt, args.max_tokens)

@@ -3,7 +3,7 @@
     scripts/bench_coldstart.py --model PREP [--tokens 64] [--json OUT]
 
 Calibrates on the first ``--calibration`` tokens of the prep folder's
-heldout.txt (``infer.coldstart.calibrate``, usage.json written into a copy
+heldout.txt (``infer.runtime.coldstart.calibrate``, usage.json written into a copy
 of the folder), then runs ``--stretches`` later stretches of the same text
 (a 32-token prompt, then ``--tokens`` teacher-forced steps) from a cold
 cache at 10/25/50% of the expert bytes, once empty and once preloaded with
@@ -30,8 +30,8 @@ def run(prep, ids, fraction, tokens, preload):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from infer import coldstart
-    from infer.loader import load_streaming
+    from infer.runtime import coldstart
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
     source = InprocSource(prep)
@@ -64,7 +64,7 @@ def main(argv=None):
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from infer import coldstart
+    from infer.runtime import coldstart
 
     with tempfile.TemporaryDirectory() as tmp:
         prep = Path(tmp) / "prep"

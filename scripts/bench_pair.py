@@ -20,7 +20,7 @@ per pair, iod's speed over resident's; their median and quartiles; stall
 per token; and whether both decoded the same ids (they must). On MLX
 CUDA the process's graphs setting holds for both sides, and the resident
 model is evaluated before the streamed one could turn graphs off (as
-infer.loader does where a layer streams): at a partial budget, set
+infer.runtime.loader does where a layer streams): at a partial budget, set
 MLX_USE_CUDA_GRAPHS=0 to time the iod side as `infer bench` does.
 """
 import argparse
@@ -32,13 +32,13 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from infer import bench
+from infer.tools import bench
 from infer.args import DTYPES, mx_dtype
-from infer.bench_draft import resolve_prompt
-from infer.budget import staging_arena_bytes
-from infer.client import IodClient
-from infer.gate import PredictionGate
-from infer.loader import cast_model, load_streaming
+from infer.tools.bench_draft import resolve_prompt
+from infer.runtime.budget import staging_arena_bytes
+from infer.runtime.client import IodClient
+from infer.runtime.gate import PredictionGate
+from infer.runtime.loader import cast_model, load_streaming
 from infer.run import encode_prompt
 from shared.blob import Manifest
 
@@ -51,7 +51,7 @@ def main(argv=None):
     p.add_argument("--block", type=int, default=4)
     p.add_argument("--prompt", default="@pycode")
     p.add_argument("--predict", choices=("auto", "on", "off"), default="auto",
-                   help="the iod side's prediction gate (infer.gate)")
+                   help="the iod side's prediction gate (infer.runtime.gate)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="both models' activations")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

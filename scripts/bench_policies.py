@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infer.belady import (POLICIES, belady_global, belady_misses, simulate,  # noqa: E402
+from infer.tools.belady import (POLICIES, belady_global, belady_misses, simulate,  # noqa: E402
                           simulate_global)
 
 FRACTIONS = (0.05, 0.10, 0.25, 0.50)
@@ -38,9 +38,9 @@ def record(model_dir, tokens, text=None, stretches=2):
     import mlx.core as mx
     import numpy as np
 
-    from infer.bench import decode
-    from infer.gate import PredictionGate
-    from infer.loader import load_streaming
+    from infer.tools.bench import decode
+    from infer.runtime.gate import PredictionGate
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
     from shared.blob import Manifest
 

@@ -55,7 +55,7 @@ def main():
     args = p.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from infer.budget import plan_memory
+    from infer.runtime.budget import plan_memory
     from shared.blob import Manifest
 
     manifest = Manifest.load(args.model)

@@ -7,7 +7,7 @@ Records every MoE layer's router logits over teacher-forced stretches of
 ``heldout.txt`` (the resident model, one forward a stretch), then replays
 each layer's calls: a stretch's first 32 tokens as one prefill call, then
 one call a token, each routed to its top-k logits. The kept rule (decayed
-frequency, best-ranked admission: ``infer.belady.FreqDecayRank``) runs
+frequency, best-ranked admission: ``infer.tools.belady.FreqDecayRank``) runs
 against the same rule whose score also gains beta × each expert's router
 probability at every call, so an expert the router nearly chose counts a
 little. docs/benchmarks.md, "The router's probabilities in the score", has
@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from infer.belady import FreqDecayRank, belady_layer  # noqa: E402
+from infer.tools.belady import FreqDecayRank, belady_layer  # noqa: E402
 
 PROMPT_TOKENS = 32
 FRACTIONS = (0.10, 0.25, 0.50)
@@ -71,8 +71,8 @@ def record(model_dir, stretches, span):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from infer.bench import load_resident
-    from infer.loader import cast_model
+    from infer.tools.bench import load_resident
+    from infer.runtime.loader import cast_model
 
     model, tok = load_resident(model_dir)[:2]
     cast_model(model, mx.float32)

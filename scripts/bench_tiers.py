@@ -5,7 +5,7 @@
 Runs a prompt from heldout.txt and ``--tokens`` teacher-forced steps with
 prediction on (depth 2) through the daemon's core in this process, its arena
 sized as ``infer run --mem-budget`` sizes a private daemon's (a staging area,
-``infer.budget.staging_arena_bytes``) unless ``--arena``, at 10/25/50% of
+``infer.runtime.budget.staging_arena_bytes``) unless ``--arena``, at 10/25/50% of
 the expert bytes. After every step it counts the records ready in the arena
 that the session's stacks also hold (the same expert twice) and those only
 the arena holds; at the end, how the session's misses were served: from the
@@ -27,7 +27,7 @@ def run(prep, ids, fraction, tokens, arena):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
     source = InprocSource(prep, arena=arena)
@@ -63,7 +63,7 @@ def main(argv=None):
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from infer.budget import staging_arena_bytes, top_k
+    from infer.runtime.budget import staging_arena_bytes, top_k
     from shared.blob import Manifest
     from shared.units import parse_size
 

@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from infer.client import IodClient
+    from infer.runtime.client import IodClient
     from shared.launch import spawn
     from tests.iod_fixtures import Raw, short_dir
 

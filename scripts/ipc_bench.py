@@ -67,8 +67,8 @@ def _session(model, sock, index, n_sessions, hits, misses, run, barrier, out):
     """One session process: hit phase, then read phase; puts its samples on ``out``."""
     import mlx.core as mx
 
-    from infer.client import IodClient
-    from infer.streaming import LayerStack
+    from infer.runtime.client import IodClient
+    from infer.runtime.streaming import LayerStack
 
     m = Manifest.load(model)
     hot_l, cold_l = m.layers
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
                   "workers": args.workers, "cpus": os.cpu_count(), "runs": args.runs,
                   "sessions": {}}
         try:
-            from infer.client import IodClient
+            from infer.runtime.client import IodClient
 
             with IodClient(work / "model", iod=str(sock)) as c:  # the hot set into the arena
                 c.read(0, range(hot))

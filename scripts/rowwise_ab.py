@@ -9,7 +9,7 @@ The resident model (DTYPE, default float32; the folder's own with "model")
 generates TOKENS greedy tokens REPS + 1 times per configuration: plain
 (mlx-lm's generate_step), and for each K in KS (comma-separated) n-gram
 drafting with the row-wise verify, attention batched where
-``infer.rowwise.batch_is_rows`` says a batch's rows are the bits of lone
+``infer.spec.rowwise.batch_is_rows`` says a batch's rows are the bits of lone
 rows ("probed") and attention row by row ("rows"); the order reversed every
 round, the first round untimed. Speeds are decode tokens a second (the
 prefill's token excluded); ratios are per round, over plain of the same
@@ -21,12 +21,12 @@ import statistics
 import sys
 
 import mlx.core as mx
-from infer import bench_draft as bd
-from infer import rowwise
-from infer.bench import load_resident
-from infer.loader import cast_model
+from infer.tools import bench_draft as bd
+from infer.spec import rowwise
+from infer.tools.bench import load_resident
+from infer.runtime.loader import cast_model
 from infer.run import encode_prompt
-from infer.speculative import speculative_generate
+from infer.spec.decoder import speculative_generate
 
 
 def main(argv):

@@ -30,8 +30,8 @@ CHECKS = ("session_crash", "daemon_crash", "corruption", "disk_errors", "hostile
 
 def build_models(work: Path):
     """The tiny qwen3_moe synthetic model, its prep folder, and a fake prep folder."""
-    from infer.prep import prep
-    from infer.synth import main as synth_main
+    from infer.prep.prep import prep
+    from infer.synth.synth import main as synth_main
     from tests.iod_fixtures import make_prep
 
     src, dst, fake = work / "src", work / "prep", work / "fake"

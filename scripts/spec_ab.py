@@ -19,12 +19,12 @@ import time
 import types
 
 import mlx.core as mx
-from infer import bench_draft as bd
-from infer.bench import load_resident
-from infer.loader import cast_model
-from infer.mtp import MTPDrafter
+from infer.tools import bench_draft as bd
+from infer.tools.bench import load_resident
+from infer.runtime.loader import cast_model
+from infer.spec.mtp import MTPDrafter
 from infer.run import encode_prompt
-from infer.speculative import speculative_generate
+from infer.spec.decoder import speculative_generate
 from shared.blob import Manifest
 
 

@@ -18,10 +18,10 @@ import mlx.core as mx
 import numpy as np
 
 from iod.inproc import InprocSource
-from infer import bench_draft as bd
-from infer.bench import cache_bytes_of, load_resident, reset_store
-from infer.gate import PredictionGate
-from infer.loader import load_streaming
+from infer.tools import bench_draft as bd
+from infer.tools.bench import cache_bytes_of, load_resident, reset_store
+from infer.runtime.gate import PredictionGate
+from infer.runtime.loader import load_streaming
 from infer.run import encode_prompt
 from mlx_lm.models.cache import make_prompt_cache
 from shared.blob import Manifest

@@ -10,7 +10,7 @@ found in its directory and pinned in this session's pin-table row
 its reply grants them pinned. When the session's share of the arena is
 used up the daemon grants fewer, and the rest come in further waves.
 
-Implementations: ``infer.client.IodClient`` (the user's daemon over
+Implementations: ``infer.runtime.client.IodClient`` (the user's daemon over
 ZeroMQ) and ``iod.inproc.InprocSource`` (the same core in this process).
 They provide ``_demand`` and ``_send_prefetch``.
 """

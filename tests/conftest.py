@@ -50,7 +50,7 @@ def synth_model(tmp_path_factory):
 
     A random-weight mlx-lm model folder (``quant`` defaults to mxfp4 for gpt_oss).
     Cached by arguments for the whole session; treat the folder as read-only."""
-    from infer.synth import main as synth_main
+    from infer.synth.synth import main as synth_main
 
     cache = {}
     root = tmp_path_factory.mktemp("synth")
@@ -81,7 +81,7 @@ def prep_model(tmp_path_factory, synth_model):
 
     The prep folder (`infer prep` output) of ``synth_model`` with the same
     arguments. Cached per session; treat it as read-only (copy it to corrupt it)."""
-    from infer.prep import prep
+    from infer.prep.prep import prep
 
     cache = {}
     root = tmp_path_factory.mktemp("prep")
@@ -130,7 +130,7 @@ def trained_model():
 @pytest.fixture(scope="session")
 def trained_prep(tmp_path_factory, trained_model):
     """``trained_prep(arch) -> Path``: the prep folder of ``trained_model(arch)``, built once per session."""
-    from infer.prep import prep
+    from infer.prep.prep import prep
 
     cache = {}
     root = tmp_path_factory.mktemp("trained-prep")

@@ -23,9 +23,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import switch_layers
 from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
 
-from infer.client import IodClient
-from infer.loader import load_streaming
-from infer.prep import prep
+from infer.runtime.client import IodClient
+from infer.runtime.loader import load_streaming
+from infer.prep.prep import prep
 from tests.iod_fixtures import LiveDaemon
 
 MODELS_DIR = Path(switch_layers.__file__).parent
@@ -214,7 +214,7 @@ def greedy(model):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from infer.synth_tokenizer import save
+    from infer.synth.tokenizer import save
 
     folder = tmp_path_factory.mktemp("tok")
     save(folder, 384)

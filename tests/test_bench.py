@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from infer.belady import belady_layer, belady_misses, simulate
-from infer.bench import cache_bytes_of
-from infer.coldstart import write_usage
+from infer.tools.belady import belady_layer, belady_misses, simulate
+from infer.tools.bench import cache_bytes_of
+from infer.runtime.coldstart import write_usage
 from shared.blob import Manifest
 
 KEYS = ("decode_tok_s", "decode_tok_s_runs", "prefill_tok_s", "stall_fraction", "hit_rate",
@@ -135,7 +135,7 @@ def test_bench_sessions_share_one_daemon(prep_model, tmp_path):
 
 
 def test_bench_refuses_bad_arguments(prep_model, tmp_path):
-    from infer.bench import main
+    from infer.tools.bench import main
 
     prep = prep_model("qwen3_moe")
     assert main(["--model", str(tmp_path / "none")]) == 2
@@ -196,10 +196,10 @@ def test_online_policies_never_beat_belady(policy):
 def test_the_store_misses_what_its_simulated_policy_misses(prep_model, fraction):
     """The session cache's replacement rule is the one the policy table
     measured (decay16+rank), and Belady on its own trace never misses more."""
-    from infer.bench import decode, forced_ids
-    from infer.loader import load_streaming
+    from infer.tools.bench import decode, forced_ids
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
-    from infer.streaming import LayerStack
+    from infer.runtime.streaming import LayerStack
 
     prep = prep_model("qwen3_moe")
     source = InprocSource(prep, arena=64 << 20)
@@ -289,7 +289,7 @@ def test_bench_pair_interleaves_resident_and_iod_with_equal_ids(prep_model, tmp_
 ])
 def test_bench_refuses_bad_values_before_running(prep_model, tmp_path, capsys, monkeypatch, flags, msg):
     """One line, exit 2, before any run: no mode started, nothing written."""
-    import infer.bench as bench
+    import infer.tools.bench as bench
 
     prep = prep_model("qwen3_moe")
     monkeypatch.setattr(bench, "run_mode", lambda *a, **kw: pytest.fail("a mode ran"))
@@ -308,14 +308,14 @@ def test_bench_refuses_bad_values_before_running(prep_model, tmp_path, capsys, m
 
 def test_bench_zero_keeps_its_documented_meanings(prep_model):
     """--read-rate 0 (no cap), --depth 0 (no prediction), --sessions 0 (none) are accepted."""
-    from infer.bench import build_parser
+    from infer.tools.bench import build_parser
 
     a = build_parser().parse_args(["--model", "m", "--read-rate", "0", "--depth", "0", "--sessions", "0"])
     assert (a.read_rate, a.depth, a.sessions) == (0.0, 0, 0)
 
 
 def test_a_daemon_that_does_not_start_leaves_no_folder(monkeypatch, tmp_path):
-    import infer.bench as bench
+    import infer.tools.bench as bench
     import shared.launch
 
     made = []

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from infer.budget import (DAEMON_OVERHEAD, PREFILL_STEP, minimum_budget, plan_memory,
+from infer.runtime.budget import (DAEMON_OVERHEAD, PREFILL_STEP, minimum_budget, plan_memory,
                           resident_bytes, stack_record_bytes, staging_arena_bytes, top_k)
-from infer.loader import load_streaming
+from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
 from shared.blob import Manifest
 from tests import cgroup
@@ -83,7 +83,7 @@ def test_cache_size_follows_the_budget_and_the_store_gets_the_planned_stacks(pre
 
 
 def test_infer_run_sizes_the_private_arena_from_the_budget(prep_model, monkeypatch, tmp_path):
-    import infer.client
+    import infer.runtime.client
     from infer import run
 
     monkeypatch.setenv("IOD_RUN_DIR", str(tmp_path))  # no shared daemon here
@@ -92,9 +92,9 @@ def test_infer_run_sizes_the_private_arena_from_the_budget(prep_model, monkeypat
     class Probe:
         def __init__(self, model_dir, iod="auto", **kw):
             seen.update(kw, iod=iod)
-            raise infer.client.IodError("probe")
+            raise infer.runtime.client.IodError("probe")
 
-    monkeypatch.setattr(infer.client, "IodClient", Probe)
+    monkeypatch.setattr(infer.runtime.client, "IodClient", Probe)
     prep = prep_model("qwen3_moe")
     manifest = Manifest.load(prep)
     plan = plan_memory(1 << 30, prep, manifest)
@@ -114,7 +114,7 @@ def test_infer_run_refuses_with_the_minimum(prep_model, capsys, monkeypatch, tmp
     prep = prep_model("qwen3_moe")
     assert run.main(["--model", str(prep), "--mem-budget", "1M"]) == 2
     err = capsys.readouterr().err
-    from infer.budget import context_tokens
+    from infer.runtime.budget import context_tokens
 
     minimum = minimum_budget(prep, Manifest.load(prep), context=context_tokens("Hello", 100))
     from shared.units import format_size
@@ -164,7 +164,7 @@ def test_infer_run_fits_in_a_memory_cgroup_of_its_budget(synth_model, prep_model
     and the page cache it causes) runs in a fresh memory cgroup of exactly B,
     at the minimum budget, a middle one and the model's size: no OOM kill,
     exit 0, mlx-lm's greedy ids; one byte below the minimum is refused."""
-    from infer.budget import context_tokens
+    from infer.runtime.budget import context_tokens
 
     src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
     manifest = Manifest.load(prep)

@@ -1,13 +1,13 @@
-"""Cache policies (infer.belady) on scripted traces whose answer is known,
+"""Cache policies (infer.tools.belady) on scripted traces whose answer is known,
 the live LayerStack against its simulation on trained routing, exact greedy
-ids with the policy, and the cold-start usage file (infer.coldstart)."""
+ids with the policy, and the cold-start usage file (infer.runtime.coldstart)."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from infer import coldstart
-from infer.belady import belady_global, belady_misses, simulate, simulate_global
+from infer.runtime import coldstart
+from infer.tools.belady import belady_global, belady_misses, simulate, simulate_global
 
 ARCHS = ["qwen3_moe", "qwen3_next"]
 
@@ -77,7 +77,7 @@ def test_live_stack_misses_what_its_simulation_misses(arch, trained_model, train
     """On trained routing (prefill then teacher-forced decode), at budgets
     below a call's top-k (the ranked bypass) and above it, the store's
     misses are the simulated decay16+rank's, and never below Belady's."""
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
     prep = trained_prep(arch)
@@ -105,7 +105,7 @@ def test_greedy_ids_equal_mlx_lm_with_the_ranked_policy(arch, trained_model, tra
     run partly from temporary stacks) with a calibrated cold start."""
     import mlx_lm
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
     ref_model, tok = mlx_lm.load(str(trained_model(arch)))
@@ -127,7 +127,7 @@ def test_usage_file_round_trip_and_preload_order(tmp_path, trained_model, traine
     loaded from the folder starts with each layer's most used experts."""
     import shutil
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
     prep = tmp_path / "prep"
@@ -206,7 +206,7 @@ def test_split_cache_makes_whole_layers_only_where_they_pay():
     from collections import Counter
     from types import SimpleNamespace
 
-    from infer.budget import split_cache
+    from infer.runtime.budget import split_cache
 
     layouts = [SimpleNamespace(layer=l, num_experts=64, record_bytes=1000) for l in range(4)]
     every = 4 * 64 * 1000
@@ -242,7 +242,7 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
     run that streams every layer."""
     import mlx_lm
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
     ref_model, tok = mlx_lm.load(str(trained_model(arch)))
@@ -274,7 +274,7 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
 def test_no_guesses_for_whole_layers(tmp_path, trained_model, trained_prep):
     """The next layers' guesses skip a whole layer: nothing of it is read,
     and a whole layer's call (the resident one) scores no guess."""
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
     prep = _calibrated_prep(tmp_path, "qwen3_moe", trained_model, trained_prep, 32)
@@ -335,7 +335,7 @@ def test_router_probabilities_in_the_score_keep_what_the_router_nearly_chose():
 def test_router_score_replay_at_beta_zero_is_the_kept_policy(trained_prep):
     """The script records each MoE layer's router logits over stretches of
     heldout.txt, and its replay at beta 0 misses what the session cache's
-    kept rule misses on the same calls (infer.belady's simulation)."""
+    kept rule misses on the same calls (infer.tools.belady's simulation)."""
     import numpy as np
 
     from shared.blob import Manifest

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from infer.client import DaemonDead, IodClient, IodError
+from infer.runtime.client import DaemonDead, IodClient, IodError
 from shared.blob import Manifest
 from tests.iod_fixtures import LiveDaemon, record_bytes, shm_entries, short_dir, wait_for
 
@@ -79,7 +79,7 @@ def test_auto_uses_shared_daemon(model, run_dir):
 def test_private_daemon_dies_with_sigkilled_parent(model, run_dir):
     code = textwrap.dedent(f"""
         import sys
-        from infer.client import IodClient
+        from infer.runtime.client import IodClient
         c = IodClient({str(model)!r}, arena="16M")
         c.read(0, [1])
         print(c.daemon_pid, flush=True)

@@ -19,9 +19,9 @@ import pytest
 from mlx_lm import load as mlx_load
 
 import native
-from infer import streaming
-from infer.bench import decode
-from infer.loader import load_streaming
+from infer.runtime import streaming
+from infer.tools.bench import decode
+from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
 
 

@@ -94,7 +94,7 @@ def test_ranks_read_the_prompt_from_stdin_once(prep_model):
 
 def test_a_rank_failure_is_the_exit_status(tmp_path):
     """mlx.launch exits 0 whatever its ranks do: each rank's own status counts."""
-    from infer.distributed import launch
+    from infer.runtime.distributed import launch
 
     # past the parent's checks, each rank finds no prep folder: exit 2
     assert launch("run", 2, ["--model", str(tmp_path / "nope")]) == 2
@@ -103,7 +103,7 @@ def test_a_rank_failure_is_the_exit_status(tmp_path):
 def test_a_rank_terminated_after_another_failed_does_not_hide_the_failure():
     """mlx.launch sends SIGTERM to the other ranks when one fails: the 143 of
     a rank caught before its own check ran must not stand for the 2."""
-    from infer.distributed import TERMINATED, worst
+    from infer.runtime.distributed import TERMINATED, worst
 
     assert worst([TERMINATED, 2, 0]) == 2 and worst([2, TERMINATED]) == 2
     assert worst([TERMINATED, TERMINATED, 0]) == TERMINATED  # a user's SIGTERM
@@ -167,7 +167,7 @@ def test_a_rank_streams_only_its_own_layers(prep_model):
     mlx-lm's split only; an MTP head's layer belongs to no rank."""
     from types import SimpleNamespace
 
-    from infer.distributed import layer_range, rank_manifest
+    from infer.runtime.distributed import layer_range, rank_manifest
 
     prep = prep_model("qwen3_next")  # 4 decoder layers and the MTP head's layer 4
     manifest = Manifest.load(prep)
@@ -209,7 +209,7 @@ def test_serve_with_two_ranks_answers_like_mlx_lm(synth_model, prep_model, run_d
             r = client.completions.create(model="default_model", prompt=PROMPT, max_tokens=12,
                                           temperature=0.0)
             assert r.choices[0].text == expected
-        from infer.client import IodClient
+        from infer.runtime.client import IodClient
 
         with IodClient(prep, iod=str(daemon.socket)) as probe:
             ranks = {x["pid"] for x in probe.stats()["sessions"]} - {os.getpid()}

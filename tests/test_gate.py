@@ -1,4 +1,4 @@
-"""infer.gate: prediction runs where decode passes measure faster with it.
+"""infer.runtime.gate: prediction runs where decode passes measure faster with it.
 
 The gate on a scripted clock (which arm wins, the margin, prefills cut out
 of the timing, the next probe), then on the tiny-trained model: prediction
@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from infer import gate
-from infer.gate import PredictionGate
+from infer.runtime import gate
+from infer.runtime.gate import PredictionGate
 
 
 def drive(g, seconds, passes, t=0.0):
@@ -145,7 +145,7 @@ def test_slow_prediction_is_turned_off_and_ids_stay_mlx_lms(trained_model, train
     import mlx_lm
     from iod.inproc import InprocSource
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
 
     folder = trained_model("qwen3_moe")
     model, tok = mlx_lm.load(str(folder))

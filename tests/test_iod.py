@@ -54,7 +54,7 @@ def test_round_trip_every_kind(daemon, model):
 
 
 def test_client_bytes_equal(daemon, model):
-    from infer.client import IodClient
+    from infer.runtime.client import IodClient
 
     m = Manifest.load(model)
     with IodClient(model, iod=str(daemon.socket)) as c:
@@ -199,7 +199,7 @@ def test_default_run_dir_is_created_0700(model, monkeypatch):
 
 CLIENT_SCRIPT = """
 import sys
-from infer.client import IodClient
+from infer.runtime.client import IodClient
 from shared.blob import Manifest
 from tests.iod_fixtures import record_bytes
 model, sock = sys.argv[1], sys.argv[2]
@@ -250,7 +250,7 @@ def test_killed_client_releases_pins_others_unaffected(daemon, model):
     import subprocess
     import sys
 
-    code = ("import sys; from infer.client import IodClient\n"
+    code = ("import sys; from infer.runtime.client import IodClient\n"
             f"c = IodClient({str(model)!r}, iod={str(daemon.socket)!r})\n"
             "c.fetch_into(0, range(8), lambda b: (print('held', flush=True), sys.stdin.read()))\n"
             "sys.stdin.read()\n")

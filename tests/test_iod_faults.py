@@ -105,7 +105,7 @@ def test_failed_prefetch_leaves_nothing_and_a_demand_reads_again(daemon, model):
 
 
 def test_client_error_names_layer_and_expert(model):
-    from infer.client import IodClient, IodError
+    from infer.runtime.client import IodClient, IodError
 
     d = LiveDaemon(args=["--arena", "16M"], env={"IOD_FAULTS": "corrupt:2:7:2"})
     try:
@@ -137,7 +137,7 @@ def test_handler_bug_answers_internal_and_daemon_lives(model):
 
 @pytest.mark.parametrize("hashers", [0, 1])
 def test_checks_in_readers_or_hashers(model, hashers):
-    from infer.client import IodClient, IodError
+    from infer.runtime.client import IodClient, IodError
 
     d = LiveDaemon(args=["--arena", "16M", "--hashers", str(hashers)],
                    env={"IOD_FAULTS": "corrupt:0:1:2,corrupt:0:2:1"})

@@ -508,7 +508,7 @@ def test_two_thousand_connections_are_capped_and_refused_cleanly(model):
     never say a word, then 100 more clients: the daemon lives, refuses the
     100 at the handshake (none keeps retrying), keeps serving the session
     it had, and admits again once connections close."""
-    from infer.client import IodClient
+    from infer.runtime.client import IodClient
     from tests.iod_fixtures import record_bytes
 
     d = Detached("--arena", "16M")  # --max-connections 1024 (the default)
@@ -607,7 +607,7 @@ def test_unread_replies_do_not_grow_the_daemon(model):
     ~5.6 KB each with 61 sessions to list): the daemon's RSS stays within
     64 MiB of its baseline (REPLY_HWM replies per peer, then dropped), and
     the session it serves meanwhile gets its records."""
-    from infer.client import IodClient
+    from infer.runtime.client import IodClient
     from shared import codec
     from tests.iod_fixtures import record_bytes
 

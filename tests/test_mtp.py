@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from infer.loader import load_streaming
-from infer.mtp import MTPDrafter, MTPError, _hf_norms, has_mtp, load_mtp
+from infer.runtime.loader import load_streaming
+from infer.spec.mtp import MTPDrafter, MTPError, _hf_norms, has_mtp, load_mtp
 from iod.inproc import InprocSource
 from shared.blob import Manifest
 

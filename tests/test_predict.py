@@ -1,4 +1,4 @@
-"""Expert prediction and prefetch (infer.predict, ExpertStore) on the
+"""Expert prediction and prefetch (infer.runtime.predict, ExpertStore) on the
 tiny-trained checkpoints: the calibrated predictors beat the router on the
 residual, the calibration round-trips through `infer prep --calibrate`,
 greedy ids stay mlx-lm's with prediction and prefetch on, and prefetched
@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from infer import predict, routing
-from infer.streaming import MISS_KINDS
-from infer.prep import main as prep_main
+from infer.runtime import predict
+
+from infer.tools import routing
+from infer.runtime.streaming import MISS_KINDS
+from infer.prep.prep import main as prep_main
 
 ARCHS = ["qwen3_moe", "qwen3_next"]
 SPLIT = 10000  # heldout.txt (text never trained on): calibrate on its start, measure on the rest
@@ -67,8 +69,8 @@ def test_calibration_round_trips(calibrated, tmp_path):
         assert np.array_equal(again.maps[key][0], w) and np.array_equal(again.maps[key][1], b)
     for key, u in cal.use.items():
         assert np.array_equal(again.use[key], u)
-    # the same text's expert counts, for the cold start (infer.coldstart)
-    from infer.coldstart import CALIBRATION_TOKENS, read_usage
+    # the same text's expert counts, for the cold start (infer.runtime.coldstart)
+    from infer.runtime.coldstart import CALIBRATION_TOKENS, read_usage
 
     usage = read_usage(folder)
     assert sorted(usage) == [0, 1, 2, 3]
@@ -151,7 +153,7 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
     import mlx_lm
     from iod.inproc import InprocSource
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
 
     folder = calibrated(arch)
     model, tok = mlx_lm.load(str(trained_model(arch)))
@@ -195,7 +197,7 @@ def quarter_store(folder):
     before a test's hints."""
     from iod.inproc import InprocSource
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
 
     source = InprocSource(folder)
     try:
@@ -304,7 +306,7 @@ def test_uncalibrated_store_guesses_with_the_loaded_routers(trained_prep, traine
     constructor made before loading: recall far above chance (8/64)."""
     from iod.inproc import InprocSource
 
-    from infer.loader import load_streaming
+    from infer.runtime.loader import load_streaming
 
     folder = trained_prep("qwen3_moe")
     source = InprocSource(folder)
@@ -354,7 +356,7 @@ def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
     from one streamed call's router to the next one's in the same pass, IO
     waits left out, split over the layers passed; a new pass and calls past
     decode size update nothing."""
-    from infer import streaming
+    from infer.runtime import streaming
 
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
         first, _, third, *_ = sorted(store.routers)

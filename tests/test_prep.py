@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from infer.prep import main as prep_main
+from infer.prep.prep import main as prep_main
 from shared.blob import Manifest, read_record, verify_record
 
 CASES = [
@@ -235,7 +235,8 @@ def test_resume_keeps_good_layers_and_rewrites_bad(tmp_path, synth_model, capsys
 def test_peak_rss_bounded(tmp_path, monkeypatch):
     """Prep a model with ~300 MB of experts in a subprocess: its peak RSS must stay
     near the fixed overhead plus one layer, far below the model's size."""
-    from infer import synth, synth_presets
+    from infer.synth import synth
+    from infer.synth import presets as synth_presets
 
     size = dict(synth_presets.SIZES["tiny"], hidden=1024, moe_inter=512, experts=32, layers=5, top_k=2, vocab=256)
     monkeypatch.setitem(synth_presets.SIZES, "membound", size)
@@ -251,7 +252,7 @@ def test_peak_rss_bounded(tmp_path, monkeypatch):
     assert r.returncode == 0, r.stderr
     peak_mb = float(r.stdout.split("peak RSS ")[1].split()[0])
     base = subprocess.run(
-        [sys.executable, "-c", "import infer.prep, mlx_lm.utils\nfor l in open('/proc/self/status'):\n if l.startswith('VmHWM:'): print(int(l.split()[1]) / 1024)"],
+        [sys.executable, "-c", "import infer.prep.prep, mlx_lm.utils\nfor l in open('/proc/self/status'):\n if l.startswith('VmHWM:'): print(int(l.split()[1]) / 1024)"],
         capture_output=True, text=True,
     )
     base_mb = float(base.stdout) if base.stdout.strip() else 80.0
@@ -266,7 +267,7 @@ def test_peak_rss_bounded(tmp_path, monkeypatch):
 
 
 def test_interrupted_run_leaves_only_whole_files_and_resumes(tmp_path, synth_model, monkeypatch, capsys):
-    from infer import prep as prep_mod
+    from infer.prep import prep as prep_mod
 
     src = synth_model("qwen3_moe")
     out = tmp_path / "out"
@@ -299,7 +300,7 @@ def test_interrupted_run_leaves_only_whole_files_and_resumes(tmp_path, synth_mod
 def test_force_keeps_the_old_folder_until_the_new_one_is_whole(tmp_path, synth_model, monkeypatch, capsys):
     """`--force` over a prep folder writes the new one beside it and swaps at
     the end: interrupted, the old folder is whole and nothing else is left."""
-    from infer import prep as prep_mod
+    from infer.prep import prep as prep_mod
 
     src = synth_model("qwen3_moe")
     out = tmp_path / "out"
@@ -379,14 +380,14 @@ def test_truncated_source_is_refused_before_anything_is_written(tmp_path, synth_
 
 
 def verify_main_ok(folder):
-    from infer.verify import main as verify_main
+    from infer.prep.verify import main as verify_main
 
     return verify_main([str(folder)]) == 0
 
 
 def test_write_blob_removes_its_tmp_on_failure(tmp_path, synth_model, monkeypatch):
-    from infer import prep as prep_mod
-    from infer import prep_safetensors
+    from infer.prep import prep as prep_mod
+    from infer.prep import safetensors as prep_safetensors
 
     src = synth_model("mixtral")
     layers, _, _ = prep_mod.plan(src, json.loads((src / "config.json").read_text()))
@@ -409,7 +410,7 @@ def test_write_blob_removes_its_tmp_on_failure(tmp_path, synth_model, monkeypatc
 
 
 def synth_hf(folder, arch, preset="tiny", layers=None):
-    from infer.synth import main as synth_main
+    from infer.synth.synth import main as synth_main
 
     argv = ["--arch", arch, "--preset", preset, "--layout", "hf", "--out", str(folder)]
     if layers:
@@ -457,8 +458,8 @@ def test_published_layout_runs_exactly_as_mlx_lm_convert_output(tmp_path, monkey
     from mlx_lm.convert import convert
     from mlx_lm.generate import generate_step
 
-    from infer.client import IodClient
-    from infer.loader import load_streaming
+    from infer.runtime.client import IodClient
+    from infer.runtime.loader import load_streaming
     from tests.iod_fixtures import short_dir
 
     monkeypatch.setenv("IOD_RUN_DIR", str(short_dir("iodh-")))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.profile import (HOPS, decode_split, demand_bursts, lanes, percentiles, summarize,
+from infer.tools.profile import (HOPS, decode_split, demand_bursts, lanes, percentiles, summarize,
                            trace_events)
 from tests.iod_fixtures import short_dir
 

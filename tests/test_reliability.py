@@ -111,8 +111,8 @@ def kill(proc):
 GEN_SCRIPT = r"""
 import json, os, sys, time
 from mlx_lm import stream_generate
-from infer.client import IodClient, IodError
-from infer.loader import load_streaming
+from infer.runtime.client import IodClient, IodError
+from infer.runtime.loader import load_streaming
 from infer.run import encode_prompt
 prep, iod, n, stop, gens, cache, trace = sys.argv[1:8]
 n, gens, cache = int(n), int(gens), int(cache)
@@ -200,7 +200,7 @@ def expected_ids(src, n):
 # A session that pins, prefetches and fetches random records until it is killed.
 VICTIM_SCRIPT = r"""
 import random, sys, time
-from infer.client import IodClient
+from infer.runtime.client import IodClient
 from shared.blob import Manifest
 prep, sock, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rnd = random.Random(seed)
@@ -1029,7 +1029,7 @@ def check_other_users(model, probes=5):
 # against the manifest checksum while pinned. argv: model sock seconds rate seed k
 LOAD_SCRIPT = r"""
 import json, random, sys, time
-from infer.client import IodClient
+from infer.runtime.client import IodClient
 from shared.blob import Manifest, record_checksum
 model, sock, secs, rate, seed, k = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 rnd = random.Random(seed)

@@ -6,8 +6,8 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from infer import routing
-from infer.routing import Counts, hit_rates, main as routing_main, reuse
+from infer.tools import routing
+from infer.tools.routing import Counts, hit_rates, main as routing_main, reuse
 
 
 def test_reuse_and_hit_rates():
@@ -91,7 +91,7 @@ def test_refusals(tmp_path, capsys):
 
 
 def test_synth_routing_report_is_gone():
-    from infer.synth import main as synth_main
+    from infer.synth.synth import main as synth_main
 
     with pytest.raises(SystemExit):
         synth_main(["--routing-report", "x"])

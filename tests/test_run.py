@@ -37,7 +37,7 @@ def run_cli(args, env=None, timeout=120):
 def tiny_budget(prep, prompt=PROMPT, max_tokens=64, private_daemon=True):
     """Just above the minimum for this prompt and length: the expert cache
     holds almost nothing."""
-    from infer.budget import context_tokens, minimum_budget
+    from infer.runtime.budget import context_tokens, minimum_budget
     from shared.blob import Manifest
 
     context = context_tokens(prompt, max_tokens)
@@ -222,7 +222,7 @@ def test_broken_prep_files_and_prompts_are_one_line_exit_2(prep_model, tmp_path,
     assert "does not load" in broken("module", rename)
 
     # the files of --calibrate: unreadable, or not for this folder's layers
-    from infer.predict import Calibration
+    from infer.runtime.predict import Calibration
 
     layers = json.loads((prep / "manifest.json").read_text())["layers"]
     a, b, n = layers[0]["module"], layers[1]["module"], layers[1]["num_experts"]
@@ -315,13 +315,13 @@ def test_dropped_models_are_collected_without_hanging(prep_model, run_dir):
 
 
 def test_bad_values_are_one_line_exit_2_before_anything_loads(prep_model, tmp_path, monkeypatch, capsys):
-    import infer.client
+    import infer.runtime.client
     from infer import run
 
     def must_not_connect(*a, **kw):
         raise AssertionError("a daemon was asked for before the arguments were checked")
 
-    monkeypatch.setattr(infer.client, "IodClient", must_not_connect)
+    monkeypatch.setattr(infer.runtime.client, "IodClient", must_not_connect)
     prep = str(prep_model("qwen3_moe"))
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -382,9 +382,9 @@ def test_dtype_float32_equals_mlx_lm_converted_to_float32(stored, synth_model, t
     from mlx_lm.convert import convert
     from mlx_lm.generate import generate_step
 
-    from infer.client import IodClient
-    from infer.loader import load_streaming
-    from infer.prep import prep
+    from infer.runtime.client import IodClient
+    from infer.runtime.loader import load_streaming
+    from infer.prep.prep import prep
 
     src = synth_model("qwen3_moe", dtype=stored, layers=2)
     dst = tmp_path / "prep"
@@ -500,7 +500,9 @@ def test_private_daemon_start_does_not_depend_on_the_current_directory(prep_mode
 
 
 def test_help_shows_defaults():
-    from infer import prep, run, serve
+    from infer.prep import prep
+    from infer import run
+    from infer import serve
 
     assert "(default: 100)" in run.build_parser().format_help()
     assert "(default: 8080)" in serve.build_parser().format_help()

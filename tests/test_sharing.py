@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from infer.client import IodClient
+from infer.runtime.client import IodClient
 from shared import protocol as P
 from shared.blob import Manifest
 from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, short_dir, wait_for

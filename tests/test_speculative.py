@@ -11,12 +11,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.utils import load_model
 
-from infer.loader import load_streaming
-from infer.ngram import NgramDrafter
+from infer.runtime.loader import load_streaming
+from infer.spec.ngram import NgramDrafter
 from iod.inproc import InprocSource
-from infer.rowwise import RowwisePass
-from infer.spec_policy import AutoPolicy
-from infer.speculative import (
+from infer.spec.rowwise import RowwisePass
+from infer.spec.policy import AutoPolicy
+from infer.spec.decoder import (
     CacheCheckpoint,
     Wavefront,
     _Forward,
@@ -96,7 +96,7 @@ def test_ngram_exact_qwen3_moe(moe, prompt):
 
 @pytest.mark.parametrize("prompt", range(len(PROMPTS)))
 def test_mtp_exact_qwen3_next(nxt, prompt):
-    from infer.mtp import MTPDrafter, load_mtp
+    from infer.spec.mtp import MTPDrafter, load_mtp
     from shared.blob import Manifest
 
     src, prep, model, store, _ = nxt
@@ -271,7 +271,7 @@ def test_rowwise_rows_equal_one_token_steps(prep_model, arch, dtype, batched_att
     attention in one call where the probe allows it and row by row; a model
     whose attention takes another path for several rows (deepseek_v3's
     absorbed MLA) is refused, not computed inexactly."""
-    from infer import rowwise
+    from infer.spec import rowwise
 
     if batched_attention == "off":
         monkeypatch.setattr(rowwise, "batch_is_rows", lambda *a: False)
@@ -286,7 +286,7 @@ def test_rowwise_rows_equal_one_token_steps(prep_model, arch, dtype, batched_att
 
 
 def test_rowwise_attention_probe_refuses_a_kernel_that_depends_on_the_rows():
-    from infer import rowwise
+    from infer.spec import rowwise
 
     sdpa = mx.fast.scaled_dot_product_attention
 
@@ -501,7 +501,7 @@ def test_switching_computes_no_position_twice(nxt, verify, monkeypatch):
     # every position the target model computes is the prompt's or a fed one
     # (committed, or a draft verified): the plain step built ahead of a
     # drafting pass is kept, not thrown away and computed again
-    from infer import speculative
+    from infer.spec import decoder as speculative
 
     computed = []
     forward = speculative._Forward.__call__
@@ -526,7 +526,7 @@ def test_fixed_drafter_steps_plainly_while_it_has_nothing(moe, verify, monkeypat
     # with a fixed drafter, a stretch where it proposes nothing is decoded in
     # pipelined plain steps (the next step built before a token is read), not
     # in one-token passes; the step built ahead of the next draft is kept
-    from infer import speculative
+    from infer.spec import decoder as speculative
 
     computed, empty = [], []
     forward, draft_pass = speculative._Forward.__call__, speculative._Decoder.draft_pass
@@ -695,7 +695,7 @@ def test_bench_draft_ngram(prep_model, tmp_path):
     # plain steps until it does, and the step built ahead is committed too)
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from infer.bench_draft import PROMPTS
+    from infer.tools.bench_draft import PROMPTS
     from infer.run import encode_prompt
 
     ids = d["baseline_ids"]
@@ -753,7 +753,7 @@ def test_bench_draft_keeps_figures_when_plain_decoding_varies():
     """On a backend whose greedy ids vary run to run (MLX CUDA), the figures
     stay, with where the plain runs parted and whether each configuration
     equals one of them."""
-    from infer import bench_draft
+    from infer.tools import bench_draft
 
     fig = {"accept_len": 2.0, "acceptance_rate": 0.5, "bytes_read_per_token": 10.0,
            "union": {"layer_calls": 0}, "verify_used": "exact"}
@@ -777,7 +777,7 @@ def test_bench_draft_warms_every_configuration_through_the_timed_tokens(monkeypa
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from infer import bench_draft
+    from infer.tools import bench_draft
 
     runs = []
 
@@ -808,8 +808,9 @@ def test_bench_draft_warms_every_configuration_through_the_timed_tokens(monkeypa
 
 
 def test_bench_draft_refuses_bad_arguments(prep_model):
-    from infer import bench_draft, speculative
-    from infer.bench import main
+    from infer.tools import bench_draft
+    from infer.spec import decoder as speculative
+    from infer.tools.bench import main
 
     assert bench_draft.VERIFY == speculative.VERIFY
 
@@ -845,8 +846,8 @@ def trained_next(trained_prep):
 def test_trained_mtp_head_is_accepted_and_turns_auto_on(trained_next):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from infer.bench_draft import PROMPTS
-    from infer.mtp import MTPDrafter, load_mtp
+    from infer.tools.bench_draft import PROMPTS
+    from infer.spec.mtp import MTPDrafter, load_mtp
     from shared.blob import Manifest
 
     source = InprocSource(trained_next, arena=64 << 20)
@@ -881,8 +882,8 @@ def test_queued_mtp_shadow_proposals_are_judged_at_their_own_position(trained_ne
     # the head's shadow proposal is read a step after it is queued; judged
     # against the wrong position, the trained head's acceptance would fall to
     # about nothing
-    from infer.bench_draft import PROMPTS
-    from infer.mtp import MTPDrafter, load_mtp
+    from infer.tools.bench_draft import PROMPTS
+    from infer.spec.mtp import MTPDrafter, load_mtp
     from shared.blob import Manifest
 
     source = InprocSource(trained_next, arena=64 << 20)

@@ -7,9 +7,9 @@ import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
-from infer.loader import load_streaming
+from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
-from infer.streaming import LayerStack
+from infer.runtime.streaming import LayerStack
 from shared.blob import plan_layer
 
 ARCHS = [
@@ -87,7 +87,7 @@ def test_split_only_where_each_expert_is_computed_alike(synth_model, prep_model,
 
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    from infer import streaming
+    from infer.runtime import streaming
 
     class ByCount(QuantizedSwitchLinear):  # one bit off unless it has all 8 experts
         def __call__(self, x, indices, sorted_indices=False):
@@ -164,7 +164,7 @@ def test_mtp_layers_share_the_cache_only_when_drafting(prep_model):
     """A plain run gives an MTP head's expert layers none of the cache (it
     never calls them); drafting with the head shares it with them. The
     memory plan splits the same way. Tokens are the same either way."""
-    from infer.budget import plan_memory
+    from infer.runtime.budget import plan_memory
     from shared.blob import Manifest
 
     prep = prep_model("qwen3_next")
@@ -213,7 +213,7 @@ def test_a_decode_call_copies_its_misses_in_at_the_next_sync(synth_model, prep_m
     forward for the last layer, before anything is evaluated. A prefill
     waits for them in its own call. Ids stay mlx-lm's; a copy that fails at
     the settle leaves none of its experts cached, and decoding goes on."""
-    from infer import streaming
+    from infer.runtime import streaming
 
     ids, expected, source, model, store = _qwen3_moe_streamed(synth_model, prep_model, 8)
     store.hits_first = hits_first
@@ -321,7 +321,7 @@ def test_a_gather_that_fails_before_its_copies_leaves_no_expert_cached(synth_mod
     on) decodes mlx-lm's ids, not experts whose bytes never came."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from infer import streaming
+    from infer.runtime import streaming
 
     ids, expected, source, model, store = _qwen3_moe_streamed(synth_model, prep_model, 16)
     for layer in store.layouts:
@@ -383,7 +383,7 @@ def test_the_mtp_head_between_two_lazy_forwards(synth_model, prep_model, mtp_cac
     all left lazy: the same bits as each evaluated at once."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from infer.mtp import load_mtp
+    from infer.spec.mtp import load_mtp
     from shared.blob import Manifest
 
     prep = prep_model("qwen3_next")
@@ -419,7 +419,7 @@ def test_a_streaming_session_turns_mlx_cuda_graphs_off(prep_model, monkeypatch):
     """Where some layer streams, MLX_USE_CUDA_GRAPHS=0 is set before the
     model is loaded (read by MLX CUDA at its first evaluation); with every
     layer whole it is left alone, and so is a user's own setting."""
-    from infer.budget import cached_expert_bytes
+    from infer.runtime.budget import cached_expert_bytes
     from shared.blob import Manifest
 
     prep = prep_model("qwen3_moe")
@@ -520,11 +520,11 @@ def test_stack_copies_a_batch_in_one_go_and_keeps_identity_positions():
 def test_stack_keeps_what_its_simulation_keeps_over_many_evictions():
     """A real model's shape (512 experts, top 10, a quarter cached) on skewed
     random routing: after every call the stack holds exactly the experts the
-    simulated rule (infer.belady FreqDecayRank, a scan for each victim) holds,
+    simulated rule (infer.tools.belady FreqDecayRank, a scan for each victim) holds,
     through thousands of evictions, kept and bypassed experts included."""
     import numpy as np
 
-    from infer.belady import FreqDecayRank
+    from infer.tools.belady import FreqDecayRank
 
     layout = plan_layer(0, "m", [("fc1", "weight", "uint32", (1,), 4, 512)])
     stack = LayerStack(layout, capacity=128)

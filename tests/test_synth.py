@@ -6,8 +6,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from infer import synth_presets
-from infer.synth import main as synth_main
+from infer.synth import presets as synth_presets
+from infer.synth.synth import main as synth_main
 
 ARCHS = [
     ("qwen3_moe", "affine4"),
@@ -124,7 +124,7 @@ def test_real_presets_have_real_dimensions():
 
 
 def test_sharded_output_loads(tmp_path, monkeypatch):
-    from infer import synth
+    from infer.synth import synth
 
     monkeypatch.setattr(synth, "SHARD_BYTES", 400_000)
     out = tmp_path / "sharded"
@@ -138,7 +138,7 @@ def test_sharded_output_loads(tmp_path, monkeypatch):
 
 
 def test_mtp_parts_joined_into_one_file(tmp_path, monkeypatch, synth_model):
-    from infer import synth
+    from infer.synth import synth
 
     monkeypatch.setattr(synth, "SHARD_BYTES", 100_000)
     out = tmp_path / "next"
@@ -188,8 +188,8 @@ def test_refuses_non_empty_out(tmp_path, capsys):
 def test_routing_is_realistic(arch, synth_model):
     """Over ~1k tokens nearly all experts are used, consecutive tokens share
     only some, and an LRU of 1/8 of the experts hits roughly 50-75%."""
-    from infer.routing import route, summarize
-    from infer.synth_tokenizer import corpus_text
+    from infer.tools.routing import route, summarize
+    from infer.synth.tokenizer import corpus_text
 
     model, tok = mlx_lm.load(str(synth_model(arch)))
     s = summarize(*route(model, tok.encode(corpus_text())[:1024]))["summary"]
@@ -208,7 +208,8 @@ def test_synth_memory_stays_near_one_layer(tmp_path):
     script = f"""
 import sys
 from pathlib import Path
-from infer import synth, synth_presets
+from infer.synth import synth
+from infer.synth import presets as synth_presets
 synth_presets.SIZES["mem"] = dict(synth_presets.SIZES["tiny"], hidden=1024, moe_inter=512, experts=32, layers=6, vocab=256)
 synth.PRESETS = synth_presets.PRESETS + ("mem",)
 synth.SHARD_BYTES = 32 << 20
@@ -222,7 +223,7 @@ for line in open("/proc/self/status"):
     peak = int(r.stdout.split("peak ")[1].split()[0])
     size = sum(p.stat().st_size for p in (tmp_path / "m").iterdir()) >> 20
     base = int(subprocess.run(
-        [sys.executable, "-c", "import infer.synth, mlx_lm.utils\nfor l in open('/proc/self/status'):\n if l.startswith('VmHWM:'): print(int(l.split()[1]) // 1024)"],
+        [sys.executable, "-c", "import infer.synth.synth, mlx_lm.utils\nfor l in open('/proc/self/status'):\n if l.startswith('VmHWM:'): print(int(l.split()[1]) // 1024)"],
         capture_output=True, text=True).stdout)
     print(f"synth peak RSS {peak} MB (imports {base} MB) for a {size} MB model")
     assert size > 250
@@ -263,7 +264,7 @@ def test_refuses_out_under_a_file(under, tmp_path, capsys):
 
 def test_a_failed_synth_leaves_no_folders_it_made(tmp_path, monkeypatch):
     """The folders made above --out go with the half-built model when synthesis fails."""
-    from infer import synth
+    from infer.synth import synth
 
     (tmp_path / "kept").mkdir()
 

@@ -8,8 +8,10 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from infer import train, train_data
-from infer.train import main as train_main
+from infer.train import train
+
+from infer.train import data as train_data
+from infer.train.train import main as train_main
 
 # the files whose bytes a seed fixes (train.json holds timings)
 MODEL_FILES = ("model.safetensors", "mtp.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json")
@@ -100,8 +102,8 @@ def test_same_seed_same_bytes(trained):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
 def test_folder_loads_in_mlx_lm_and_preps(arch, trained, corpus, tmp_path):
-    from infer.mtp import has_mtp, load_mtp
-    from infer.prep import prep
+    from infer.spec.mtp import has_mtp, load_mtp
+    from infer.prep.prep import prep
     from shared.blob import Manifest
 
     if arch == "qwen3_moe":  # through the command line
@@ -185,12 +187,12 @@ def test_gather_experts_and_compiled_step_train_like_grouped(arch):
 
 
 def test_chunked_delta_rule_equals_mlx_lm_steps():
-    """infer.train_delta: the gated delta rule in chunks gives mlx-lm's
+    """infer.train.delta: the gated delta rule in chunks gives mlx-lm's
     token-by-token outputs, final state and gradients (a length that is not a
     multiple of the chunk, grouped key heads, a non-zero initial state)."""
     from mlx_lm.models import gated_delta
 
-    from infer import train_delta
+    from infer.train import delta as train_delta
 
     mx.random.seed(0)
     B, T, Hk, Hv, Dk, Dv = 2, 37, 2, 4, 32, 24
@@ -222,7 +224,7 @@ def test_chunked_delta_trains_like_steps(corpus, tmp_path, monkeypatch):
     """qwen3_next's training step with the rule in chunks (the GPU default)
     takes the steps mlx-lm's token-by-token rule takes; the choice is kept in
     train.json and its reproduce line."""
-    from infer import train_delta
+    from infer.train import delta as train_delta
 
     calls = []
     chunked = train_delta.update

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from infer import routing
-from infer.train_eval import load_resident, mtp_acceptance
+from infer.tools import routing
+from infer.train.eval import load_resident, mtp_acceptance
 
 ARCHS = ["qwen3_moe", "qwen3_next"]
 N = 48  # greedy tokens compared
@@ -91,7 +91,7 @@ def test_streamed_greedy_equals_mlx_lm(arch, trained_model, trained_prep, reside
 
 
 def _spec(model, ids, **kw):
-    from infer.speculative import speculative_generate
+    from infer.spec.decoder import speculative_generate
 
     out, stats = [], None
     for t, stats in speculative_generate(model, ids, max_tokens=N, **kw):
@@ -102,8 +102,8 @@ def _spec(model, ids, **kw):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_drafting_is_exact(arch, trained_model, trained_prep, resident):
     """n-gram drafting (and MTP on qwen3_next) on the streamed model gives the greedy ids."""
-    from infer.loader import load_streaming
-    from infer.mtp import MTPDrafter, load_mtp
+    from infer.runtime.loader import load_streaming
+    from infer.spec.mtp import MTPDrafter, load_mtp
     from iod.inproc import InprocSource
     from shared.blob import Manifest
 

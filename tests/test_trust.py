@@ -239,7 +239,7 @@ def test_shared_daemon_of_another_user_is_refused(model, monkeypatch, capfd):
     """Another user makes our default run dir first and runs a daemon there
     that would serve us its own bytes: the session refuses it with one line
     naming the path and owner, and a private daemon serves the file's bytes."""
-    from infer.client import IodClient
+    from infer.runtime.client import IodClient
 
     auid, _ = account(ATTACKER)
     base = sticky_dir()
@@ -282,7 +282,7 @@ def test_shared_daemon_of_another_user_is_refused(model, monkeypatch, capfd):
 def test_socket_of_ours_served_by_another_uid_is_refused(model, tmp_path):
     """A socket file we own in a run dir we own, but another uid listens on
     it: the kernel's peer credentials refuse it (explicit --iod SOCKET)."""
-    from infer.client import IodClient, IodError
+    from infer.runtime.client import IodClient, IodError
 
     auid, agid = account(ATTACKER)
     theirs = Path(tempfile.mkdtemp(prefix="iodtt-", dir="/tmp"))
@@ -349,7 +349,7 @@ def test_arena_segment_of_another_user_or_mode_is_refused():
 
 
 def test_explicit_socket_in_a_loose_run_dir_is_refused(model):
-    from infer.client import IodClient, IodError
+    from infer.runtime.client import IodClient, IodError
 
     d = LiveDaemon(args=["--arena", "16M"])
     try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from infer.verify import main as verify_main
+from infer.prep.verify import main as verify_main
 from shared.blob import Manifest
 
 

@@ -23,10 +23,10 @@ import numpy as np
 from mlx_lm.models import switch_layers
 from mlx_lm.models.cache import make_prompt_cache
 
-from infer import bench
+from infer.tools import bench
 from infer.args import mx_dtype
-from infer.bench_draft import resolve_prompt
-from infer.loader import cast_model
+from infer.tools.bench_draft import resolve_prompt
+from infer.runtime.loader import cast_model
 from infer.run import encode_prompt
 
 

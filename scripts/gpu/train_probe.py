@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from infer import train
+from infer.train import train
 
 
 def probe(arch, experts, compiled, preset, steps, dtype, seq=None, batch=None):

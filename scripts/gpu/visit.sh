@@ -32,7 +32,7 @@ unpack)  # a prep folder shipped from here as .gpu/m/partNN (tar | gzip -1 | spl
 warm)  # the disk's curve, then MLX's kernels compiled by the benchmark's own prompt (an `infer run`
   # of another prompt leaves its prefill's kernels to the first bench)
   log doctor; iod doctor --model "$W/p-${ARCH:-qwen3_next}" --seconds 1 --rounds 2 --json > "$OUT/doctor.json"
-  log warm; timeout ${BENCH_S:-420} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget 1.0 --warm \
+  log warm; timeout ${BENCH_S:-420} python3 -m infer.tools.bench --model "$W/p-${ARCH:-qwen3_next}" --budget 1.0 --warm \
     --modes resident,iod --runs 1 --max-tokens 48 --prompt @pycode --raw-prompt --json "$OUT/warm.json" 2>&1 | tail -4 ;;
 synth)  # a random-weight model of the trained benchmark's shape (small preset), prepared with a
   # calibration as `prep` prepares the trained one: $W/p-synth, for what routing does not change
@@ -68,7 +68,7 @@ bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at
   for b in $budgets; do
     if [ "$b" = 1.0 ]; then flags="--warm --modes ${MODES1:-resident,iod}"; else flags="--modes ${MODES:-sync,iod}"; fi
     log "bench $b $flags"
-    timeout ${BENCH_S:-170} python3 -m infer.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
+    timeout ${BENCH_S:-170} python3 -m infer.tools.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
       $flags --json "$OUT/bench14-$b.json" 2>&1 | tail -8
   done ;;
 probe)  # the trainer's step per MoE kernel (scripts/gpu/train_probe.py), small preset
@@ -103,7 +103,7 @@ prep|trained|budgets)  # issues 13/15/17 on the trained small models: prep, rout
       log "routing $arch"; infer routing --model "$W/p-$arch" --text "$W/t-$arch/heldout.txt" --tokens 1024 \
         --json "$OUT/routing-$arch.json" 2>&1 | tail -14
       # what `infer train` judges unless --no-judge: MTP acceptance, greedy samples
-      log "eval $arch"; timeout ${EVAL_S:-150} python3 -c "import json, sys; from infer.train_eval import evaluate; \
+      log "eval $arch"; timeout ${EVAL_S:-150} python3 -c "import json, sys; from infer.train.eval import evaluate; \
 json.dump(evaluate(sys.argv[1], open(sys.argv[1] + '/heldout.txt').read()), open(sys.argv[2], 'w'), indent=1)" \
         "$W/t-$arch" "$OUT/eval-$arch.json" && grep -A1 '"mtp_acceptance"\|"rate"' "$OUT/eval-$arch.json"
     done
@@ -115,7 +115,7 @@ json.dump(evaluate(sys.argv[1], open(sys.argv[1] + '/heldout.txt').read()), open
   for b in $budgets; do
     if [ "$b" = 1.0 ]; then flags="--warm --modes resident,iod"; else flags="--modes sync,iod"; fi
     log "bench $first $b $flags"
-    timeout ${BENCH_S:-100} python3 -m infer.bench --model "$W/p-$first" --budget "$b" --runs ${RUNS:-2} \
+    timeout ${BENCH_S:-100} python3 -m infer.tools.bench --model "$W/p-$first" --budget "$b" --runs ${RUNS:-2} \
       --max-tokens 48 --prompt @pycode --raw-prompt $flags --json "$OUT/bench-$first-$b.json" 2>&1 | tail -6
   done ;;
 spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram on code; both exact verifies
@@ -123,16 +123,16 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
   S="--runs ${RUNS:-2} --raw-prompt --max-tokens 8 --draft-tokens 64 --verify ${VERIFY:-exact,rowwise}"
   # SPECS: mtp-25 mtp-resident ngram (the default), ngram-25, rowab
   want() { case " ${SPECS:-mtp-25 mtp-resident ngram} " in *" $1 "*) return 0;; esac; return 1; }
-  want mtp-25 && { log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
+  want mtp-25 && { log mtp-25; timeout ${SPEC_S:-150} python3 -m infer.tools.bench --model "$P" --modes iod --budget 0.25 $S --draft mtp \
     --num-draft ${KS:-1,2,3} --prompt @prose --json "$OUT/spec-mtp-25-${VERIFY:-both}.json" 2>&1 | tail -12; }
-  want mtp-resident && { log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$P" --modes resident $S --draft mtp \
+  want mtp-resident && { log mtp-resident; timeout ${SPEC_S:-150} python3 -m infer.tools.bench --model "$P" --modes resident $S --draft mtp \
     --num-draft ${KS:-1,2,3} --draft-check --prompt @prose --json "$OUT/spec-mtp-100-${VERIFY:-both}.json" 2>&1 | tail -12; }
   # n-gram: NGRAM_ARCH=qwen3_moe drafts on the trained qwen3_moe (prep it first), whose verify pass has
   # no gated-delta steps to take row by row
-  want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$W/p-${NGRAM_ARCH:-qwen3_next}" \
+  want ngram && { log ngram; timeout ${SPEC_S:-150} python3 -m infer.tools.bench --model "$W/p-${NGRAM_ARCH:-qwen3_next}" \
     --modes resident $S --draft ngram --num-draft ${NGRAM_KS:-2,4} --draft-check --prompt @code \
     --json "$OUT/spec-ngram-${NGRAM_ARCH:-qwen3_next}-100.json" 2>&1 | tail -12; }
-  want ngram-25 && { log ngram-25; timeout ${SPEC_S:-150} python3 -m infer.bench --model "$W/p-${NGRAM_ARCH:-qwen3_next}" \
+  want ngram-25 && { log ngram-25; timeout ${SPEC_S:-150} python3 -m infer.tools.bench --model "$W/p-${NGRAM_ARCH:-qwen3_next}" \
     --modes iod --budget 0.25 $S --draft ngram --num-draft ${NGRAM_KS:-2,4} --prompt @code \
     --json "$OUT/spec-ngram-${NGRAM_ARCH:-qwen3_next}-25.json" 2>&1 | tail -12; }
   # attention in one call where the probe allows it, against row by row, against plain (resident)
@@ -151,18 +151,18 @@ ab)  # the working tree against an older copy of the code (AB_BASE, a folder hol
   for side in $sides; do
     dir=$PWD; [ $side = base ] && dir=$base
     log "round $r $side"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.bench \
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.tools.bench \
       --model "$W/p-${ARCH:-qwen3_next}" --budget ${BUDGET:-0.25} --modes ${MODES:-iod} --runs ${RUNS:-3} \
       --predict ${PREDICT:-auto} --max-tokens ${TOKENS:-48} --prompt @pycode --raw-prompt --json "$OUT/ab-$r-$side.json" 2>&1 | tail -3)
   done; done ;;
-gate)  # the prediction gate (infer/gate.py): iod with prediction on, measured (auto) and off (beside
+gate)  # the prediction gate (infer/runtime/gate.py): iod with prediction on, measured (auto) and off (beside
   # sync), long enough for the gate to probe; the order reversed every round
   for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.25 0.5}; do
     order=${PREDICTS:-on auto off}; [ $((r % 2)) = 0 ] && order=$(echo $order | tr ' ' '\n' | tac | xargs)
     for p in $order; do
       modes=iod; [ $p = off ] && modes=sync,iod
       log "round $r budget $b predict $p"
-      timeout ${BENCH_S:-150} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget $b --modes $modes \
+      timeout ${BENCH_S:-150} python3 -m infer.tools.bench --model "$W/p-${ARCH:-qwen3_next}" --budget $b --modes $modes \
         --predict $p --runs ${RUNS:-2} --max-tokens ${TOKENS:-160} --prompt @pycode --raw-prompt \
         --json "$OUT/gate-$r-$b-$p.json" 2>&1 | tail -3
     done
@@ -172,7 +172,7 @@ depth)  # prediction's host cost against its depth: --predict on at depths 1 and
     for d in ${DEPTHS:-1 3 0}; do
       p=on; [ $d = 0 ] && p=off && d=3
       log "round $r budget $b predict $p depth $d"
-      timeout ${BENCH_S:-90} python3 -m infer.bench --model "$W/p-${ARCH:-qwen3_next}" --budget $b --modes iod \
+      timeout ${BENCH_S:-90} python3 -m infer.tools.bench --model "$W/p-${ARCH:-qwen3_next}" --budget $b --modes iod \
         --predict $p --depth $d --runs 1 --max-tokens ${TOKENS:-160} --prompt @pycode --raw-prompt \
         --json "$OUT/depth-$r-$b-$p-$d.json" 2>&1 | tail -1
     done
@@ -183,7 +183,7 @@ hitsab)  # A/B of a token's cached experts computed while its misses are read (-
   # one bench (2 modes x 2 runs of 64 tokens) took over 60 s on the H200: 8 do not fit a call
   for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.5 0.25}; do for f in on off; do
     log "round $r budget $b hits-first $f"
-    timeout ${BENCH_S:-120} python3 -m infer.bench --model "$W/tiny" --budget "$b" --modes sync,iod --runs 2 \
+    timeout ${BENCH_S:-120} python3 -m infer.tools.bench --model "$W/tiny" --budget "$b" --modes sync,iod --runs 2 \
       --max-tokens 64 --hits-first $f --json "$OUT/ab-$r-$b-$f.json" 2>&1 | tail -3
   done; done; done ;;
 ship)  # bring a folder of $W back in pieces: PART=0 packs and sends pieces 0-3, PART=4 sends 4-7, ...
@@ -199,7 +199,7 @@ ship)  # bring a folder of $W back in pieces: PART=0 packs and sends pieces 0-3,
   echo "pieces $(ls /root/parts | wc -l), sent from $part" ;;
 tinyspec)  # exactness of drafting under streaming on the GPU, on the committed tiny-trained qwen3_next
   log prep; infer prep --model tests/models/tiny-trained-qwen3_next --out "$W/tn" --force --no-progress | tail -1
-  log bench; timeout ${SPEC_S:-400} python3 -m infer.bench --model "$W/tn" --modes resident,sync,iod --budget 0.25 \
+  log bench; timeout ${SPEC_S:-400} python3 -m infer.tools.bench --model "$W/tn" --modes resident,sync,iod --budget 0.25 \
     --runs 1 --raw-prompt --max-tokens 8 --draft-tokens 48 --verify exact,rowwise --draft mtp --num-draft 1,2 \
     --draft-check --prompt @prose --json "$OUT/tinyspec.json" 2>&1 | tail -16 ;;
 overhead)  # where a streamed layer's time goes: tiny-trained qwen3_moe and the small preset (random)
@@ -221,10 +221,10 @@ split)  # the profile's split of a decode token, and the per-layer cost in bench
   done
   [ -n "${NO_BENCH:-}" ] || {
   log "bench tiny"
-  timeout 150 python3 -m infer.bench --model "$W/tiny" --budget 0.5 --modes resident,sync,iod \
+  timeout 150 python3 -m infer.tools.bench --model "$W/tiny" --budget 0.5 --modes resident,sync,iod \
     --runs 3 --max-tokens 64 --json "$OUT/bench-tiny.json" 2>&1 | tail -4
   log "bench small"
-  timeout 150 python3 -m infer.bench --model "$W/small" --budget 0.5 --modes sync,iod \
+  timeout 150 python3 -m infer.tools.bench --model "$W/small" --budget 0.5 --modes sync,iod \
     --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3; }
   log "kernels"
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;

@@ -26,10 +26,10 @@ import bench_pair  # noqa: E402
 
 from infer import bench  # noqa: E402
 from infer.args import DTYPES, mx_dtype  # noqa: E402
-from infer.budget import staging_arena_bytes  # noqa: E402
-from infer.client import IodClient  # noqa: E402
-from infer.gate import PredictionGate  # noqa: E402
-from infer.loader import cast_model, load_streaming  # noqa: E402
+from infer.runtime.budget import staging_arena_bytes  # noqa: E402
+from infer.runtime.client import IodClient  # noqa: E402
+from infer.runtime.gate import PredictionGate  # noqa: E402
+from infer.runtime.loader import cast_model, load_streaming  # noqa: E402
 from shared.blob import Manifest  # noqa: E402
 
 

@@ -19,7 +19,7 @@ then a guess of layer L's own experts before its attention has run).
 ``temporal`` guesses the experts layer L+d used for the previous token.
 With a calibration (``--calibrate TEXT`` fits one first, ``--calibration
 FILE`` reads one; a prep folder's own ``predict.npz`` is used when present,
-see ``infer.predict``) two more: ``linear``, the fitted map from layer L's
+see ``infer.runtime.predict``) two more: ``linear``, the fitted map from layer L's
 MoE-block input to layer L+d's router logits, and ``combined``, per layer
 and depth the predictor and breadth the calibration chose (it may guess
 more than k experts: recall rises, precision falls).
@@ -43,9 +43,9 @@ import numpy as np
 
 from shared.paths import check_out
 
-from . import predict
-from .args import write_atomic
-from .belady import LRU, belady_layer
+from infer.runtime import predict
+from infer.args import write_atomic
+from infer.tools.belady import LRU, belady_layer
 
 DEPTHS = (1, 2, 3)
 CACHE_FRACTIONS = (0.03125, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75)
@@ -255,7 +255,7 @@ def route(model, tokens: List[int], experts: Optional[Dict[str, int]] = None, ch
     """Feed ``tokens`` and collect (layers, counts): the routed ids of every
     MoE layer and the predictors' (name, depth) -> {source layer: Counts}.
     ``layers``: already installed (``install``); ``cal``: an
-    ``infer.predict.Calibration`` for the predictors that need one."""
+    ``infer.runtime.predict.Calibration`` for the predictors that need one."""
     from mlx_lm.models.cache import make_prompt_cache
 
     layers = install(model, experts) if layers is None else layers
@@ -372,7 +372,7 @@ def load(folder: Path):
     if (folder / "manifest.json").is_file():
         from iod.inproc import InprocSource
 
-        from .loader import load_streaming
+        from infer.runtime.loader import load_streaming
 
         model, tokenizer, store = load_streaming(folder, InprocSource(folder))
         experts = {l.module: l.num_experts for l in store.manifest.layers if not l.module.startswith("mtp.")}
@@ -382,7 +382,9 @@ def load(folder: Path):
 
 
 def default_text() -> Path:
-    return Path(__file__).parent / "data" / "corpus.txt"
+    from infer.data import CORPUS
+
+    return CORPUS
 
 
 def report(folder, text_path=None, n_tokens=DEFAULT_TOKENS, calibrate=None, calibration=None) -> dict:
@@ -502,7 +504,7 @@ def main(argv) -> int:
     ap.add_argument("--text", type=Path, help="UTF-8 text to route (default: the packaged infer/data/corpus.txt)")
     ap.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="route the first N tokens of the text")
     ap.add_argument("--calibrate", type=Path, metavar="TEXT",
-                    help="fit the predictors' calibration on this text first (see infer.predict)")
+                    help="fit the predictors' calibration on this text first (see infer.runtime.predict)")
     ap.add_argument("--calibration", type=Path, metavar="FILE",
                     help="a calibration file (predict.npz; default: the prep folder's own, if any)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .args import first_line
+from infer.args import first_line
 
 CALIBRATION_NAME = "predict.npz"
 DEPTHS = (1, 2, 3)
@@ -155,7 +155,7 @@ def previous(ids: List[np.ndarray]) -> np.ndarray:
 
 def fit(model, layers, tokens: List[int], depths=DEPTHS) -> Calibration:
     """Fit and measure the predictors over ``tokens`` (``layers``: from
-    ``infer.routing.install`` on ``model``)."""
+    ``infer.tools.routing.install`` on ``model``)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     n = len(tokens)
@@ -256,8 +256,8 @@ def calibrate_folder(folder, text_path, n_tokens=DEFAULT_TOKENS) -> Calibration:
     calibration beside its manifest."""
     from iod.inproc import InprocSource
 
-    from .loader import load_streaming
-    from .routing import install
+    from infer.runtime.loader import load_streaming
+    from infer.tools.routing import install
 
     folder = Path(folder)
     data = Path(text_path).read_bytes()

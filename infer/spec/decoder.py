@@ -20,7 +20,7 @@ Three verify modes (``verify=``):
 - ``"rowwise"``: one batched forward pass over the K+1 tokens, with the
   operations known to compute a row differently in a batch (attention,
   causal convolutions, the gated-delta recurrence, KV buffer growth) done
-  row by row as one-token decoding does them (``infer.rowwise``); the
+  row by row as one-token decoding does them (``infer.spec.rowwise``); the
   recurrent state after every token is kept, so rollback is exact. Exact
   where the backend's remaining kernels (quantized matrix-vector products,
   gather_qmm, norms) compute each row on its own: measured, not assumed
@@ -35,7 +35,7 @@ verify), or, after a plain batched pass, to the state before it, with the
 accepted tokens fed again at the start of the next pass.
 
 ``draft="auto"`` decides before every pass between plain decoding and
-drafting (which drafter, which K) from measured costs: ``infer.spec_policy``.
+drafting (which drafter, which K) from measured costs: ``infer.spec.policy``.
 """
 
 import threading
@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
-from .ngram import NgramDrafter
+from infer.spec.ngram import NgramDrafter
 
 DRAFTS = ("none", "ngram", "mtp", "auto")
 VERIFY = ("exact", "rowwise", "batched")
@@ -403,8 +403,8 @@ def speculative_generate(
 
     ``draft``: "none" | "ngram" | "mtp" | "auto". "auto" drafts with the
     n-gram drafter and, when ``mtp`` is given, the MTP head, each only while
-    the measured costs say it pays (``infer.spec_policy.AutoPolicy``; pass
-    ``policy`` to use another one). ``mtp``: an ``infer.mtp.MTPDrafter``
+    the measured costs say it pays (``infer.spec.policy.AutoPolicy``; pass
+    ``policy`` to use another one). ``mtp``: an ``infer.spec.mtp.MTPDrafter``
     (required for "mtp"). ``drafter``: any object with ``needs_hidden``,
     ``observe(hidden, tokens)`` and ``propose(k)``, used instead of the
     built-in ones. ``store``: the model's ExpertStore; the exact verify
@@ -414,7 +414,7 @@ def speculative_generate(
     ``verify``: "exact" (default; the lockstep verify: the ids equal
     non-speculative greedy decoding by construction), "rowwise" (one batched
     pass whose rows are computed as one-token passes where the kernels are
-    known to differ: ``infer.rowwise``; falls back to "exact" for caches it
+    known to differ: ``infer.spec.rowwise``; falls back to "exact" for caches it
     does not support) or "batched" (one plain batched pass). ``exact=False``
     is "batched", for older callers.
     """
@@ -443,7 +443,7 @@ def speculative_generate(
         drafters, k_max = {}, 0
         off = "lockstep verify, every expert resident: a pass costs at least K+1 plain steps"
     if draft == "auto" and policy is None and k_max:
-        from .spec_policy import AutoPolicy
+        from infer.spec.policy import AutoPolicy
 
         policy = AutoPolicy(k_max, {n: d.needs_hidden for n, d in drafters.items()},
                             prior_beta=1.0 if verify == "exact" else 0.3)
@@ -458,7 +458,7 @@ class _Decoder:
     """One speculative generation: the model, its cache, the drafters."""
 
     def __init__(self, model, drafters, verify, store, eos_ids, max_tokens, policy):
-        from . import rowwise
+        from infer.spec import rowwise
 
         self.model = model
         self.drafters = drafters
@@ -704,7 +704,7 @@ class _Decoder:
     def _verify(self, inputs, ckpt):
         """Logits (and hidden states) of the verify pass over ``inputs`` (ints,
         or an array whose drafts are not evaluated yet: batched passes only)."""
-        from .rowwise import RowwiseUnsupported, grow_kv
+        from infer.spec.rowwise import RowwiseUnsupported, grow_kv
 
         cache = self.cache
         n = len(inputs) if isinstance(inputs, list) else inputs.size
@@ -852,7 +852,7 @@ class _Decoder:
 def check_draft(draft, model_dir, temp=0.0):
     """Why ``--draft`` cannot be used with this model and temperature, as a
     ValueError with one line; nothing when it can."""
-    from .mtp import MTP_FILE, has_mtp
+    from infer.spec.mtp import MTP_FILE, has_mtp
 
     if draft not in DRAFTS:
         raise ValueError(f"--draft must be one of {', '.join(DRAFTS)}")
@@ -877,7 +877,7 @@ class DraftedStream:
 
     def __init__(self, model, tokenizer, prompt_ids, model_dir, store, draft="ngram",
                  num_draft=4, max_tokens=256, manifest=None, exact=True, verify=None):
-        from .mtp import MTPDrafter, has_mtp, load_mtp
+        from infer.spec.mtp import MTPDrafter, has_mtp, load_mtp
 
         self.model, self.tokenizer = model, tokenizer
         self.prompt = list(prompt_ids)
@@ -936,11 +936,11 @@ def mismatch_rows(model, prompt_ids, n_tokens, k, verify="batched"):
 
     Generates ``n_tokens`` greedily one token at a time, then feeds the same
     tokens again in chunks of k+1 from the same prefill (``verify``:
-    "batched" plain batched passes, "rowwise" ``infer.rowwise`` passes), and
+    "batched" plain batched passes, "rowwise" ``infer.spec.rowwise`` passes), and
     compares the logits row by row. Returns (rows, rows with any bit
     different, rows whose greedy id differs, largest absolute difference).
     """
-    from .rowwise import RowwisePass, RowwiseUnsupported, grow_kv, supported
+    from infer.spec.rowwise import RowwisePass, RowwiseUnsupported, grow_kv, supported
 
     fwd = _Forward(model, want_hidden=False)
     ids = [int(t) for t in prompt_ids]

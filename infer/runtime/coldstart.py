@@ -2,12 +2,12 @@
 
 ``usage.json`` beside a prep folder's manifest holds, per MoE layer, how
 many calibration tokens were routed to each expert. When it exists,
-``infer.loader.load_streaming`` fills each layer's stack with that layer's
+``infer.runtime.loader.load_streaming`` fills each layer's stack with that layer's
 most used experts before the first token (``ExpertStore.preload``), as far
 as the cache has room, so the first tokens do not pay a miss for every
 expert they need.
 
-    from infer.coldstart import calibrate
+    from infer.runtime.coldstart import calibrate
     calibrate(prep_folder, text)  # e.g. from `infer prep --calibrate TEXT`
 """
 
@@ -15,7 +15,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from .args import first_line
+from infer.args import first_line
 
 USAGE_NAME = "usage.json"
 CALIBRATION_TOKENS = 512  # enough for the popular experts of a layer to stand out
@@ -83,7 +83,7 @@ def calibrate(folder, text, max_tokens=CALIBRATION_TOKENS):
 
     from iod.inproc import InprocSource
 
-    from .loader import load_streaming
+    from infer.runtime.loader import load_streaming
 
     source = InprocSource(folder)
     try:

@@ -88,7 +88,7 @@ def load_mtp(model_dir, model, store=None, manifest=None, experts=None):
     ``experts`` ({tensor name: array}, e.g. read from that blob) loads them
     resident instead.
     """
-    from .streaming import patch_model
+    from infer.runtime.streaming import patch_model
 
     model_dir = Path(model_dir)
     if not has_mtp(model_dir):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from .budget import model_config
+from infer.runtime.budget import model_config
 
 STATUS_ENV = "INFER_RANK_STATUS"  # folder where each local rank leaves its exit status
 RANK_EXIT_S = 30  # after a forwarded signal, how long the ranks have to leave

@@ -32,14 +32,20 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from . import synth_presets, synth_tokenizer, train_data, train_delta
-from .mtp import MTP_FILE, MTPHead
+from infer.synth import presets as synth_presets
+
+from infer.synth import tokenizer as synth_tokenizer
+
+from infer.train import data as train_data
+
+from infer.train import delta as train_delta
+from infer.spec.mtp import MTP_FILE, MTPHead
 
 ARCHS = ("qwen3_moe", "qwen3_next")
 HELDOUT_FILE = "heldout.txt"  # a sample of the held-out documents, for figures
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
-# Model sizes (as in infer.synth_presets) and their training recipe.
+# Model sizes (as in infer.synth.presets) and their training recipe.
 # tiny: trains on a 2-core CPU in ~10 minutes; experts/top_k = 16 as in
 # Qwen3-30B-A3B. small: the dimensions of synth's `small`, for a GPU.
 PRESETS = {
@@ -173,12 +179,12 @@ class Trainee(nn.Module):
     but it reads the routing on the host, so a step cannot be compiled);
     "gather" keeps mlx-lm's SwitchGLU (sorted ``gather_mm``, no host sync).
     ``delta``: qwen3_next's gated delta rule token by token as mlx-lm runs
-    it ("steps") or in chunks (``infer.train_delta``: far less memory and
+    it ("steps") or in chunks (``infer.train.delta``: far less memory and
     fewer sequential steps for the backward)."""
 
     def __init__(self, config, experts="grouped", delta="steps"):
         super().__init__()
-        from .synth import build_model
+        from infer.synth.synth import build_model
 
         self.model, self.args = build_model(config)
         self.delta = delta  # qwen3_next's linear attention: "steps" (mlx-lm's) or "chunks"
@@ -520,7 +526,7 @@ def train(arch, preset, out: Path, corpus="stdlib", minutes=None, seed=0, steps=
     (out / HELDOUT_FILE).write_text(sample, encoding="utf-8")
     judged = {}
     if judge:
-        from .train_eval import evaluate
+        from infer.train.eval import evaluate
 
         te = time.time()
         judged = evaluate(out, sample)
@@ -599,7 +605,7 @@ def write_folder(out: Path, trainer: Trainer, config: dict, tok, quant: str, dty
     """Weights (quantized by mlx-lm), config, tokenizer and the MTP head."""
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    from .synth import QUANTS, build_model
+    from infer.synth.synth import QUANTS, build_model
 
     params = dict(tree_flatten(trainer.params))
     model, _ = build_model(config)

@@ -36,11 +36,11 @@ import native
 from shared.blob import NUMPY_DTYPES
 from shared.source import Batch
 
-from . import predict
-from .belady import decayed_rank
-from .budget import cached_layers, split_cache
-from .client import DaemonDead
-from .gate import PredictionGate
+from infer.runtime import predict
+from infer.tools.belady import decayed_rank
+from infer.runtime.budget import cached_layers, split_cache
+from infer.runtime.client import DaemonDead
+from infer.runtime.gate import PredictionGate
 
 _MX_DTYPES = {
     "uint32": mx.uint32,
@@ -101,7 +101,7 @@ class LayerStack:
     """A layer's cached experts, stacked per tensor at fixed positions.
 
     Replacement: decayed frequency, misses placed best-scored first and
-    only over a victim that scores no higher (``infer.belady.FreqDecayRank``
+    only over a victim that scores no higher (``infer.tools.belady.FreqDecayRank``
     is the same rule, simulated); ``tick()`` once per call of the layer,
     ``touch`` on each hit, ``assign`` for the misses. A stack that can hold
     every expert of its layer keeps expert e at position e, and once full (``complete``)
@@ -292,17 +292,17 @@ def staged(layout, batch, cast=None, segments=None):
 class ExpertStore:
     """Serves experts to the streaming modules: layer stacks first, then the source.
 
-    ``source`` is a ``shared.source.ExpertSource``: ``infer.client.IodClient``
+    ``source`` is a ``shared.source.ExpertSource``: ``infer.runtime.client.IodClient``
     (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
     in this process). ``cache_bytes`` is split over the stacks of the
-    ``cached`` layers (default: all) by ``infer.budget.split_cache``: evenly,
+    ``cached`` layers (default: all) by ``infer.runtime.budget.split_cache``: evenly,
     or with whole layers where a calibration's ``usage`` says they pay. With
     ``depth > 0`` each MoE layer also guesses the experts of the next
     ``depth`` layers from its own input, and hints the source to prefetch
     the guesses worth reading (``plan``). The guesses are the next layers'
     routers applied to that input, or with a ``calibration``
-    (``infer.predict``, from ``infer prep --calibrate``) the predictor and
-    breadth it chose per layer and depth. ``gate`` (``infer.gate``) turns
+    (``infer.runtime.predict``, from ``infer prep --calibrate``) the predictor and
+    breadth it chose per layer and depth. ``gate`` (``infer.runtime.gate``) turns
     prediction off while decode passes run faster without it.
     """
 
@@ -321,14 +321,14 @@ class ExpertStore:
         self.source = source
         self.cache_bytes = cache_bytes
         self.layouts = {l.layer: l for l in manifest.layers}
-        # the layers the cache is shared over (infer.budget.cached_layers);
+        # the layers the cache is shared over (infer.runtime.budget.cached_layers);
         # any other layer streams each call through a compact stack
         self.cached = set(self.layouts) if cached is None else set(cached)
         self.capacity = split_cache([self.layouts[l] for l in sorted(self.cached)], cache_bytes,
                                     usage, top_k)  # layer -> positions
         self.stacks = {}
         self.depth = depth
-        self.calibration = calibration  # an infer.predict.Calibration, or None
+        self.calibration = calibration  # an infer.runtime.predict.Calibration, or None
         # (layer, next layers) -> their linear maps side by side (W, b), as
         # MLX arrays, made on first use
         self._maps = {}
@@ -337,7 +337,7 @@ class ExpertStore:
         self._order = {}  # layer -> its place among them
         self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
         self.trace = None  # set to a list to record each call's experts (routing_trace)
-        self.profiler = None  # an infer.profile.Profiler: per-layer spans
+        self.profiler = None  # an infer.tools.profile.Profiler: per-layer spans
         # bytes/s the source reads at: set from the `iod doctor` profile
         # (set_disk) or by the caller; else measured on demand reads
         self.disk_rate = None
@@ -350,7 +350,7 @@ class ExpertStore:
         # they take milliseconds (iod/resident 0.73 -> 0.84 at 25%); on a GPU
         # they take microseconds, less than the split's own host work
         self.hits_first = mx.default_device() == mx.cpu
-        # while set (a forward of the whole model: infer.loader), a decode
+        # while set (a forward of the whole model: infer.runtime.loader), a decode
         # call's misses are copied in at the next streamed call's router or
         # at the end of the forward (settle), so the disk reads them while
         # the next layers' graphs are built

@@ -11,11 +11,11 @@ from mlx_lm.utils import _get_classes, load_model
 
 from shared.blob import Manifest, ManifestError
 
-from . import coldstart
-from .args import first_line
-from .budget import cached_expert_bytes, cached_layers, model_config, top_k
-from .predict import CALIBRATION_NAME, Calibration, CalibrationError
-from .streaming import ExpertStore, patch_model
+from infer.runtime import coldstart
+from infer.args import first_line
+from infer.runtime.budget import cached_expert_bytes, cached_layers, model_config, top_k
+from infer.runtime.predict import CALIBRATION_NAME, Calibration, CalibrationError
+from infer.runtime.streaming import ExpertStore, patch_model
 
 DEFAULT_CACHE_FRACTION = 0.25
 
@@ -85,19 +85,19 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
     weights and every expert's floating tensors are cast to it. With
-    ``preload`` and a ``usage.json`` in the folder (``infer.coldstart``),
+    ``preload`` and a ``usage.json`` in the folder (``infer.runtime.coldstart``),
     the cache starts filled with the experts a calibration text used most.
     ``group``: an ``mx.distributed`` group to pipeline over
-    (infer.distributed): the model keeps this rank's layers only, and the
+    (infer.runtime.distributed): the model keeps this rank's layers only, and the
     store streams their experts only. ``mtp_cache``: an MTP head will draft,
     so its layers share the expert cache (else they get none of it).
     ``whole_layers``: a ``usage.json`` may make some layers' stacks whole
-    (``infer.budget.split_cache``); False splits the cache evenly, as a
+    (``infer.runtime.budget.split_cache``); False splits the cache evenly, as a
     ``--mem-budget`` plan counts it."""
     model_dir = Path(model_dir)
     manifest, calibration, usage = read_prep_folder(model_dir)
     if group is not None:
-        from . import distributed
+        from infer.runtime import distributed
 
         manifest = distributed.rank_manifest(manifest, model_dir, group)
     if cache_bytes is None:
@@ -175,9 +175,9 @@ def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=N
     ``mlx_lm.stream_generate``. ``dtype``: e.g. ``mx.float32`` to run a
     bfloat16 folder in float32 (much faster on CPUs without fast bfloat16).
     ``iod_timeout``: seconds the daemon may stand still before a call raises
-    ``infer.client.DaemonDead`` (a slow disk is waited for).
+    ``infer.runtime.client.DaemonDead`` (a slow disk is waited for).
     """
-    from .client import IodClient
+    from infer.runtime.client import IodClient
 
     check_prep_folder(model_dir)
     if isinstance(dtype, str):

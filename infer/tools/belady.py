@@ -190,7 +190,7 @@ class FreqDecayAdmit(FreqDecay):
 
 
 class FreqDecayRank(FreqDecay):
-    """The session cache's rule (``infer.streaming.LayerStack``): decayed
+    """The session cache's rule (``infer.runtime.streaming.LayerStack``): decayed
     frequency, and a call's missed experts are placed best-scored first, each
     only while it scores at least as high as the victim it would replace; the
     rest run from a temporary stack. A call that needs more experts than the

@@ -21,8 +21,10 @@ import mlx.nn as nn
 import xxhash
 from mlx.utils import tree_flatten
 
-from . import synth_presets, synth_tokenizer
-from .synth_presets import ARCHS, PRESETS
+from infer.synth import presets as synth_presets
+
+from infer.synth import tokenizer as synth_tokenizer
+from infer.synth.presets import ARCHS, PRESETS
 
 QUANTS = {
     "affine4": {"group_size": 64, "bits": 4, "mode": "affine"},
@@ -371,7 +373,7 @@ class ShardWriter:
             os.replace(self.files[0][0], self.folder / f"{self.stem}.safetensors")
             return
         if one_file:
-            from .prep_safetensors import read_header, write_file
+            from infer.prep.safetensors import read_header, write_file
 
             tensors = []
             for path, _ in self.files:
@@ -397,7 +399,7 @@ def _head_dim(config):
 
 def mtp_module(config, args):
     """Qwen3-Next's multi-token-prediction head, named as in the HF checkpoint."""
-    from .mtp import MTPHead
+    from infer.spec.mtp import MTPHead
 
     root = nn.Module()
     root.mtp = MTPHead(args, config.get("mtp_num_hidden_layers", 1))
@@ -505,7 +507,7 @@ def folder_bytes(folder: Path):
 
 
 def parse(argv):
-    from .args import Parser
+    from infer.args import Parser
 
     ap = Parser(prog="infer synth", description="build a random-weight MoE model in mlx-lm format "
                 "(or, with --layout hf, as Hugging Face publishes one)")

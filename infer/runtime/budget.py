@@ -227,7 +227,7 @@ def split_cache(layouts, cache_bytes, usage=None, top_k=8) -> dict:
     """{layer: positions} for the stacks of ``layouts`` out of ``cache_bytes``.
 
     Evenly, unless a calibration's expert counts (``usage``,
-    ``infer.coldstart``) say that whole layers pay: a stack that holds its
+    ``infer.runtime.coldstart``) say that whole layers pay: a stack that holds its
     whole layer runs as the resident model does (no sync, no host work), so
     layers are made whole, those whose even share hits least first, while
     the cost (per token: ``LAYER_COST_RECORDS`` for each layer streamed,

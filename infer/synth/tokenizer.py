@@ -5,6 +5,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from infer.data import CORPUS
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 EOS_TOKEN = "<|im_end|>"
 
@@ -18,7 +20,7 @@ CHAT_TEMPLATE = (
 
 
 def corpus_text() -> str:
-    return (Path(__file__).parent / "data" / "corpus.txt").read_text(encoding="utf-8")
+    return CORPUS.read_text(encoding="utf-8")
 
 
 def train(vocab_size: int, texts=None) -> Tokenizer:

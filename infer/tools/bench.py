@@ -33,13 +33,14 @@ from pathlib import Path
 from shared.paths import check_out
 from shared.units import format_size, parse_size
 
-from . import bench_draft
-from .args import (Parser, add_dtype, mx_dtype, nonneg_float, nonneg_int, positive_int,
+from infer.data import CORPUS
+from infer.tools import bench_draft
+from infer.args import (Parser, add_dtype, mx_dtype, nonneg_float, nonneg_int, positive_int,
                    write_atomic)
 
 MODES = ("resident", "sync", "inproc", "iod")
 DEFAULT_PROMPT = "The lighthouse keeper counted the ships that passed in the night"
-FORCED_TEXT = Path(__file__).with_name("data") / "corpus.txt"
+FORCED_TEXT = CORPUS
 DEFAULT_DEPTH = 3
 
 
@@ -68,7 +69,7 @@ def build_parser():
                         "read (auto: on the CPU only)")
     p.add_argument("--predict", choices=("auto", "on", "off"), default="auto",
                    help="streamed modes with --depth > 0: predict and prefetch on every call, "
-                        "never, or while decode passes measure faster with it (infer.gate: "
+                        "never, or while decode passes measure faster with it (infer.runtime.gate: "
                         "its first decision is in force from the 65th decode pass)")
     p.add_argument("--warm", action="store_true",
                    help="time a long session's steady state: fill the expert cache, run the "
@@ -91,8 +92,8 @@ def build_parser():
 def cache_bytes_of(budget: str, manifest, draft="none", model_dir=None) -> int:
     """``--budget``: a fraction of the expert bytes of the layers the cache
     is shared over (an MTP head's only when it drafts), or a size."""
-    from .budget import cached_expert_bytes
-    from .mtp import drafts_with_mtp
+    from infer.runtime.budget import cached_expert_bytes
+    from infer.spec.mtp import drafts_with_mtp
 
     expert_bytes = cached_expert_bytes(manifest, drafts_with_mtp(draft, model_dir))
     try:
@@ -170,7 +171,7 @@ def decode(model, prompt_ids, follow, n, store=None):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .streaming import MISS_KINDS
+    from infer.runtime.streaming import MISS_KINDS
 
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
@@ -217,7 +218,7 @@ def reset_store(store, keep_cache=False):
     """Zeroed figures, same modules and routers; a cold cache and a fresh
     prediction gate unless ``keep_cache`` (a long session's steady state)."""
     if not keep_cache:
-        from .gate import PredictionGate
+        from infer.runtime.gate import PredictionGate
 
         store.stacks = {}
         store.gate = PredictionGate(store.gate.mode)
@@ -236,7 +237,7 @@ def blob_tensors(model_dir, layers):
 
     from shared.blob import NUMPY_DTYPES
 
-    from .streaming import _MX_DTYPES
+    from infer.runtime.streaming import _MX_DTYPES
 
     out = {}
     for lay in layers:
@@ -352,13 +353,13 @@ def worker(args) -> dict:
     import mlx.core as mx
 
     from shared.blob import Manifest
-    from .belady import belady_misses
-    from .budget import staging_arena_bytes
-    from .gate import PredictionGate
-    from .mtp import drafts_with_mtp
-    from .streaming import copy_mode
+    from infer.tools.belady import belady_misses
+    from infer.runtime.budget import staging_arena_bytes
+    from infer.runtime.gate import PredictionGate
+    from infer.spec.mtp import drafts_with_mtp
+    from infer.runtime.streaming import copy_mode
 
-    from . import distributed
+    from infer.runtime import distributed
 
     peak = PeakRSS()
     mode = args.worker
@@ -371,7 +372,7 @@ def worker(args) -> dict:
     result = {"mode": mode}
 
     if mode == "resident":
-        from .budget import resident_bytes
+        from infer.runtime.budget import resident_bytes
 
         need = resident_bytes(args.model) + manifest.expert_bytes
         if need > 0.8 * mem_available():
@@ -379,12 +380,12 @@ def worker(args) -> dict:
                     f"{format_size(mem_available())} available"}
         model, tokenizer = load_resident(args.model)
         if args.dtype:
-            from .loader import cast_model
+            from infer.runtime.loader import cast_model
 
             cast_model(model, mx_dtype(args.dtype))
         store = None
     else:
-        from .loader import load_streaming
+        from infer.runtime.loader import load_streaming
 
         depth = 0 if mode == "sync" else args.depth
         model, tokenizer, store = load_streaming(args.model, None, cache_bytes, dtype=mx_dtype(args.dtype),
@@ -396,7 +397,7 @@ def worker(args) -> dict:
         if args.read_rate:  # reads are capped: plan prefetch with the cap
             store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
 
-    from .run import encode_prompt
+    from infer.run import encode_prompt
 
     prompt_ids = encode_prompt(tokenizer, bench_draft.resolve_prompt(args.prompt), args.raw_prompt)
     follow = None if args.free_run else forced_ids(tokenizer, args.max_tokens)
@@ -406,7 +407,7 @@ def worker(args) -> dict:
         daemon = client = None
         try:
             if mode == "iod":
-                from .client import IodClient
+                from infer.runtime.client import IodClient
 
                 if args.iod:
                     client = IodClient(args.model, iod=args.iod)
@@ -506,7 +507,7 @@ def worker(args) -> dict:
         # (a refused cudaHostRegister leaves pageable copies, several times slower)
         "copy_mode": copy_mode(),
         # MLX CUDA's graphs (MLX_USE_CUDA_GRAPHS): a streaming session turns
-        # them off (infer.loader.load_streaming); None off CUDA
+        # them off (infer.runtime.loader.load_streaming); None off CUDA
         "cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS", "1") != "0" if copy_mode() == "cuda" else None,
         "copy_s_per_token": med(r["copy_s_per_token"] for r in runs),
         "copy_gb_s": last["decode_bytes"] / last["copy_s"] / 1e9 if last["copy_s"] else None,
@@ -528,7 +529,7 @@ def worker(args) -> dict:
         # copy left out), and of it the prediction's: guesses, plan, hints
         "host_s_per_token": med(r["host_s_per_token"] for r in runs),
         "predict_s_per_token": med(r["predict_s_per_token"] for r in runs),
-        # infer.gate: passes decoded with prediction on and off, and its probes
+        # infer.runtime.gate: passes decoded with prediction on and off, and its probes
         "gate": last["gate"],
         # the reader's view (whole run): reads started as prefetches, and
         # prefetched records evicted from the staging arena unused
@@ -560,7 +561,7 @@ def read_ceiling(store, read_rate_mb):
 
 
 def _worker_argv(args, mode, out, extra=()):
-    argv = [sys.executable, "-m", "infer.bench", "--worker", mode, "--out", str(out),
+    argv = [sys.executable, "-m", "infer.tools.bench", "--worker", mode, "--out", str(out),
             "--model", str(args.model), "--prompt", args.prompt, "--budget", str(args.budget),
             "--read-rate", str(args.read_rate), "--max-tokens", str(args.max_tokens),
             "--runs", str(args.runs), "--depth", str(args.depth), *extra]
@@ -595,7 +596,7 @@ def _rank_out(out: Path, rank: int) -> Path:
 def run_ranks(args, mode, out) -> dict:
     """One run of a streaming mode as ``args.ranks`` ranks (mlx.launch), each
     writing its own figures; merged by ``merge_ranks``."""
-    from . import distributed
+    from infer.runtime import distributed
 
     rc = distributed.launch("bench", args.ranks, _worker_argv(args, mode, out)[3:])
     outs = [_rank_out(out, r) for r in range(args.ranks)]
@@ -675,14 +676,14 @@ def _with_bound(m) -> dict:
 
 def run_sessions(args, tmp, shared: bool) -> dict:
     """N sessions decoding the same prompt at once, on one daemon or one each."""
-    from .budget import staging_arena_bytes
+    from infer.runtime.budget import staging_arena_bytes
     from shared.blob import Manifest
 
     n = args.sessions
     sub = argparse.Namespace(**vars(args))
     sub.runs = 1
     arena = args.arena or staging_arena_bytes(Manifest.load(args.model), args.depth)
-    from .client import IodClient
+    from infer.runtime.client import IodClient
 
     daemons, probes, procs, outs = [], [], [], []
     try:
@@ -788,7 +789,7 @@ def table(report) -> str:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
-        from . import distributed
+        from infer.runtime import distributed
 
         res = worker(args)
         out = _rank_out(args.out, res["rank"]) if "rank" in res else args.out
@@ -796,7 +797,7 @@ def main(argv=None) -> int:
         distributed.leave_status(0)
         return 0
 
-    from .loader import PrepFolderError, check_prep_folder
+    from infer.runtime.loader import PrepFolderError, check_prep_folder
 
     try:
         manifest = check_prep_folder(args.model)
@@ -816,7 +817,7 @@ def main(argv=None) -> int:
             raise ValueError(why)
         bench_draft.check_args(args)
         if args.ranks > 1:
-            from .distributed import check_pipelined
+            from infer.runtime.distributed import check_pipelined
 
             check_pipelined(args.model)
             if args.draft != "none" or args.sessions:

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 
 from shared.blob import MANIFEST_NAME, NUMPY_DTYPES, LayerLayout, Manifest, ManifestError, plan_layer, record_checksum, verify_record
 
-from . import prep_safetensors as st
+from infer.prep import safetensors as st
 
 TENSOR_ORDER = ("weight", "scales", "biases", "bias")
 # Quantizations the streaming side knows how to run (mode -> allowed bits).
@@ -431,7 +431,7 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
     folder as Hugging Face publishes it, which mlx-lm's code converts first:
     ``quant`` (a ``prep_convert.Quantization``, default 4-bit affine) and
     ``dtype`` apply to those only."""
-    from . import prep_convert
+    from infer.prep import convert as prep_convert
 
     config = load_config(src)
     check_dst(src, dst, force, resume)
@@ -507,7 +507,7 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
 
 
 def build_parser():
-    from .args import Parser, add_version
+    from infer.args import Parser, add_version
 
     p = Parser(prog="infer prep", description="convert an MoE model folder (mlx-lm's, or as Hugging Face "
                "publishes it) into a prep folder: resident weights, one expert blob per MoE layer")
@@ -521,7 +521,7 @@ def build_parser():
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--calibrate", type=Path, metavar="TEXT", default=None,
                    help="fit the expert predictors on this text (its first 4,096 tokens) and store "
-                        "them beside the manifest (predict.npz; see infer.predict)")
+                        "them beside the manifest (predict.npz; see infer.runtime.predict)")
     g = p.add_argument_group("Hugging Face folders (converted with mlx-lm's code; mlx_lm.convert's names)")
     g.add_argument("-q", "--quantize", action="store_true", help="quantize (the default; see --no-quantize)")
     g.add_argument("--no-quantize", action="store_true", help="keep the weights in floating point")
@@ -537,7 +537,7 @@ def build_parser():
 
 def quant_from_args(a):
     """The --q-* / --no-quantize choice: None when nothing was said."""
-    from .prep_convert import Quantization
+    from infer.prep.convert import Quantization
 
     said = a.quantize or a.no_quantize or any(v is not None for v in (a.q_bits, a.q_group_size, a.q_mode))
     if not said:
@@ -588,7 +588,7 @@ def main(argv) -> int:
         f"resident {resident / 1e6:.1f} MB, {time.time() - t0:.1f}s"
     )
     if a.calibrate is not None:
-        from .predict import CALIBRATION_NAME, calibrate_folder
+        from infer.runtime.predict import CALIBRATION_NAME, calibrate_folder
 
         try:
             cal = calibrate_folder(a.out, a.calibrate)
@@ -599,7 +599,7 @@ def main(argv) -> int:
         print(f"wrote {a.out / CALIBRATION_NAME}: {len(cal.maps)} linear maps fitted on "
               f"{cal.text['fit_tokens']} of {cal.text['tokens']} tokens; combined predictor uses "
               f"{', '.join(picked) or 'nothing'}")
-        from . import coldstart
+        from infer.runtime import coldstart
 
         coldstart.calibrate(a.out, a.calibrate.read_text(encoding="utf-8", errors="replace"))
         print(f"wrote {a.out / coldstart.USAGE_NAME}: the experts the text uses most, loaded first")

@@ -23,7 +23,7 @@ def load_resident(folder):
     """(model, tokenizer, MTP head or None) of an mlx-lm folder, all in memory."""
     import mlx_lm
 
-    from .mtp import has_mtp, load_mtp
+    from infer.spec.mtp import has_mtp, load_mtp
 
     model, tokenizer = mlx_lm.load(str(folder))
     head = load_mtp(folder, model) if has_mtp(folder) else None
@@ -60,8 +60,8 @@ def _lm_head(model, h):
 
 def speculative_acceptance(model, head, prompts, max_tokens=64) -> dict:
     """Accepted / drafted in greedy speculative decoding with one MTP draft."""
-    from .mtp import MTPDrafter
-    from .speculative import speculative_generate
+    from infer.spec.mtp import MTPDrafter
+    from infer.spec.decoder import speculative_generate
 
     drafted = accepted = 0
     for ids in prompts:
@@ -88,7 +88,7 @@ def greedy_samples(model, tokenizer, prompts=PROMPTS, max_tokens=48) -> list:
 
 def evaluate(folder, text: str, routing_tokens=2048, mtp_tokens=1024) -> dict:
     """Routing summary, MTP acceptance and greedy samples of a model folder on a held-out text."""
-    from . import routing
+    from infer.tools import routing
 
     folder = Path(folder)
     model, tokenizer, head = load_resident(folder)

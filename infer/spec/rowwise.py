@@ -26,7 +26,7 @@ row on its own (MLX's quantized matrix-vector kernels take a few rows at a
 time, and gather_qmm computes each (row, expert) product separately),
 norms, rotary embeddings and element-wise operations. Whether those really
 give the same bits for a row in a batch as alone is the backend's business:
-``mismatch_rows`` in ``infer.speculative`` measures it (``infer bench
+``mismatch_rows`` in ``infer.spec.decoder`` measures it (``infer bench
 --draft-check``); this module only removes the differences that are certain.
 
 Supported caches: ``KVCache`` (full attention) and the ``ArraysCache`` of
@@ -209,7 +209,7 @@ def _stepwise_gdu(orig):
 
 def _recording_gdn(orig):
     """A gated-delta layer's call that leaves one recorded state per token
-    in a recording cache (``infer.speculative``), instead of one for all."""
+    in a recording cache (``infer.spec.decoder``), instead of one for all."""
 
     def call(self, inputs, mask=None, cache=None):
         _TLS.rec = rec = {}

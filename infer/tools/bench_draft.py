@@ -21,7 +21,7 @@ import statistics
 import time
 from contextlib import contextmanager
 
-VERIFY = ("exact", "rowwise", "batched")  # infer.speculative.VERIFY (not imported: no MLX here)
+VERIFY = ("exact", "rowwise", "batched")  # infer.spec.decoder.VERIFY (not imported: no MLX here)
 
 # The prompt set (``--prompt @name``): repetitive code, a repeating list,
 # prose, and the bench's default sentence.
@@ -56,7 +56,7 @@ def resolve_prompt(text):
 
 
 def add_args(p):
-    from .speculative import DRAFTS
+    from infer.spec.decoder import DRAFTS
 
     p.add_argument("--draft", default="none", choices=DRAFTS,
                    help="also measure speculative decoding against plain greedy decoding "
@@ -98,7 +98,7 @@ def parse_verify(text):
 
 def check_args(args):
     """ValueError with one line when the draft options cannot work."""
-    from .speculative import check_draft
+    from infer.spec.decoder import check_draft
 
     resolve_prompt(args.prompt)
     if args.draft == "none":
@@ -131,14 +131,14 @@ def worker_argv(args):
 def fresh_source(args, mode, store, arena):
     """A cold source for one generation (a fresh daemon in the iod mode), the
     session cache emptied; nothing for the resident model."""
-    from .bench import _start_daemon, _stop_daemon, reset_store
+    from infer.tools.bench import _start_daemon, _stop_daemon, reset_store
 
     if store is None:
         yield
         return
     daemon = None
     if mode == "iod":
-        from .client import IodClient
+        from infer.runtime.client import IodClient
 
         daemon = _start_daemon(arena, args.read_rate)
         source = IodClient(args.model, iod=str(daemon[2]))
@@ -160,20 +160,20 @@ def fresh_source(args, mode, store, arena):
 
 def load_head(args, model, store, manifest):
     """The MTP drafter's head for this mode's model, or None."""
-    from .mtp import drafts_with_mtp, load_mtp
+    from infer.spec.mtp import drafts_with_mtp, load_mtp
 
     if not drafts_with_mtp(args.draft, args.model):
         return None
     if store is not None:
         head = load_mtp(args.model, model, store, manifest)
     else:
-        from .bench import blob_tensors
+        from infer.tools.bench import blob_tensors
 
         mtp_layers = [l for l in manifest.layers if l.module.startswith("mtp.")]
         head = load_mtp(args.model, model, experts=blob_tensors(args.model, mtp_layers))
     if args.dtype:
-        from .args import mx_dtype
-        from .loader import cast_model
+        from infer.args import mx_dtype
+        from infer.runtime.loader import cast_model
 
         cast_model(head, mx_dtype(args.dtype))
     return head
@@ -197,8 +197,8 @@ def _plain(model, prompt_ids, n, store):
 
 
 def _drafted(model, prompt_ids, n, store, head, kind, k, verify):
-    from .mtp import MTPDrafter
-    from .speculative import speculative_generate
+    from infer.spec.mtp import MTPDrafter
+    from infer.spec.decoder import speculative_generate
 
     mtp = MTPDrafter(head, model) if head is not None else None
     ids, stats = [], None
@@ -217,7 +217,7 @@ def measure(args, mode, model, tokenizer, store, manifest, arena):
     """The draft comparison of one process: {"baseline": [..], "configs": [..]}."""
     import mlx.core as mx
 
-    from .run import encode_prompt
+    from infer.run import encode_prompt
 
     prompt_ids = encode_prompt(tokenizer, resolve_prompt(args.prompt), args.raw_prompt)
     n = args.draft_tokens or args.max_tokens
@@ -281,7 +281,7 @@ def check(model, prompt_ids, n, ks, store, source):
     """Bitwise comparison of batched and row-wise passes with one-token
     steps, per K: {K: {"batched": {...}, "rowwise": {...}}} (a row-wise
     figure of None: the model takes a path that pass does not support)."""
-    from .speculative import mismatch_rows
+    from infer.spec.decoder import mismatch_rows
 
     rows = {}
     for k in ks:

@@ -7,7 +7,7 @@ from typing import Dict, Iterator, List, Tuple
 
 from shared.blob import LayerLayout, Manifest, ManifestError, record_checksum
 
-from .args import Parser, add_version
+from infer.args import Parser, add_version
 
 
 def check_layer(folder: Path, layout: LayerLayout) -> Iterator[Tuple[int, str]]:
