@@ -17,6 +17,8 @@ docs/benchmarks.md, "Cache policy on trained routing", has the measured table.
 import math
 from collections import OrderedDict, defaultdict
 
+from infer.runtime.placement import decayed_rank
+
 
 def per_layer(trace):
     """{layer: [frozenset(experts), ...]} in call order."""
@@ -139,13 +141,6 @@ class LFU(Policy):
             if e not in keep and (best is None or self.count[e] < self.count[best]):
                 best = e
         return best
-
-
-def decayed_rank(score, at, decay):
-    """The log of ``score`` (taken at time ``at``) decayed to time 0: fixed
-    while the score decays, it orders experts as their decayed scores do at
-    any one time, and ties where they tie."""
-    return math.log(score) - at * math.log(decay)
 
 
 class FreqDecay(LFU):
