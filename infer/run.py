@@ -70,9 +70,8 @@ def peak_rss_bytes():
 
 
 def daemon_bytes_read(source):
-    """The daemon's disk bytes so far (0 for sources without a daemon)."""
-    stats = getattr(source, "stats", None)
-    return stats()["counters"]["bytes_read"] if callable(stats) else 0
+    """The daemon's disk bytes so far."""
+    return source.stats()["counters"]["bytes_read"]
 
 
 def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens):
@@ -246,11 +245,12 @@ def _main(args) -> int:
         return distributed.launch("run", args.ranks, args.argv + stdin_prompt)
 
     from infer.runtime.budget import top_k
-    from infer.runtime.client import DaemonDead, IodClient, IodError
+    from infer.runtime.client import DaemonDead, IodError
+    from infer.runtime.source import make_source
 
     try:
-        source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model),
-                           profile=bool(args.profile), timeout=args.iod_timeout, **client_kw)
+        source = make_source(args.model, args.iod, working_set=top_k(args.model),
+                             profile=bool(args.profile), timeout=args.iod_timeout, **client_kw)
     except IodError as e:
         print(f"infer run: {e}", file=sys.stderr)
         return 2
@@ -359,7 +359,7 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None):
         stats["draft"] = responses.stats.summary()
     # shared by every session of the daemon: the others' reads count too
     stats["daemon_bytes_read"] = daemon_bytes_read(source) - disk_before
-    stats["daemon_pid"] = getattr(source, "daemon_pid", 0)
+    stats["daemon_pid"] = source.daemon_pid
     if profiler:
         profiler.write(args.profile, stats)
         print(f"infer run: profile in {args.profile}", file=sys.stderr)

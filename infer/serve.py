@@ -138,7 +138,7 @@ class Generator(mlx_server.ResponseGenerator):
 class StreamingModelProvider(mlx_server.ModelProvider):
     """mlx-lm's model provider, loading the one prep folder through ``source``.
 
-    ``source`` is an ``IodClient`` connected by the caller (so a refused
+    ``source`` is an ``ExpertSource`` connected by the caller (so a refused
     connection is reported before the server starts); the model itself is
     built on mlx-lm's generation thread, the only thread that then uses it.
     """
@@ -333,7 +333,8 @@ def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from infer.runtime import distributed
     from infer.runtime.budget import top_k
-    from infer.runtime.client import IodClient, IodError
+    from infer.runtime.client import IodError
+    from infer.runtime.source import make_source
 
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s - %(levelname)s - %(message)s")
@@ -358,7 +359,7 @@ def _main(argv=None) -> int:
             plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
                                            dtype=args.dtype)
             cache_bytes = plan.cache_bytes
-        source = IodClient(args.model, iod=args.iod, working_set=top_k(args.model), **client_kw)
+        source = make_source(args.model, args.iod, working_set=top_k(args.model), **client_kw)
     except (PrepFolderError, ValueError, IodError) as e:
         print(f"infer serve: {e}", file=sys.stderr)
         return 2

@@ -108,6 +108,10 @@ class InprocSource(ExpertSource):
     def stats(self) -> dict:
         return self.core.stats()
 
+    def reconnect(self) -> None:
+        """The core lives and dies with this process: nothing to attach to."""
+        raise SourceError("an in-process core cannot be reattached")
+
     @property
     def bytes_read(self) -> int:
         return self.core.c["bytes_read"]

@@ -16,14 +16,12 @@ import sys
 from pathlib import Path
 
 from shared import paths
-from shared import slots as S
+from shared.slots import ARENA_SHARE, MIN_ARENA, arena_limit, arena_size_problem  # noqa: F401  (iod start checks --arena)
 from shared.launch import SAFE_OPEN, ensure_run_dir, pid_alive, read_pid  # noqa: F401
 from shared.trust import Untrusted
 
-MIN_ARENA = S.Layout(S.PAGE, 1).nbytes  # the 1 MiB directory and one slot of a page
 START_ARGS = "iod.args"  # beside the lock: the running daemon's `iod start` options
 START_ARGS_MAX = 64 << 10
-ARENA_SHARE = 0.75  # of physical memory, and of the shared-memory file system's free space
 
 
 class AlreadyRunning(RuntimeError):
@@ -216,32 +214,3 @@ def sweep_stale(folder: Path, sock: Path, unlink) -> list:
         except FileNotFoundError:
             pass
     return removed
-
-
-def _fmt(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
-def arena_limit() -> tuple:
-    """(bytes, why): the largest arena allowed here, ARENA_SHARE of physical
-    memory and of the shared-memory file system's free space (Linux)."""
-    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    limit, why = int(phys * ARENA_SHARE), f"{ARENA_SHARE:.0%} of physical memory ({_fmt(phys)})"
-    if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
-        st = os.statvfs("/dev/shm")
-        free = st.f_bavail * st.f_frsize
-        if int(free * ARENA_SHARE) < limit:
-            limit = int(free * ARENA_SHARE)
-            why = f"{ARENA_SHARE:.0%} of the free space in /dev/shm ({_fmt(free)} free)"
-    return limit, why
-
-
-def arena_size_problem(size: int):
-    """None when ``size`` is a sane arena here, else one line saying why not."""
-    if size < MIN_ARENA:
-        return (f"--arena {size} bytes is less than the minimum, {MIN_ARENA >> 10} KiB "
-                f"(the 1 MiB directory and one slot)")
-    limit, why = arena_limit()
-    if size > limit:
-        return f"--arena {_fmt(size)} is more than {why}: at most {_fmt(limit)} here"
-    return None

@@ -6,43 +6,44 @@
     python scripts/soak.py --quick              # the CI sizes
 
 Prints one JSON line per check ({"check": ..., "ok": ..., "elapsed_s": ...,
-figures}) and exits 1 if any check failed. The checks themselves live in
-tests/test_reliability.py, where the CI runs them at small sizes.
+figures}) and exits 1 if any check failed. The checks are the tests of
+tests/test_reliability.py, which the CI runs at small sizes; this runs each
+of them through pytest with the sizes below (RELIABILITY_SIZES).
 """
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
+import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-CHECKS = ("session_crash", "daemon_crash", "corruption", "disk_errors", "hostile",
-          "other_users", "load")
+# check -> the test that runs it
+CHECKS = {"session_crash": "test_session_crash", "daemon_crash": "test_daemon_crash",
+          "corruption": "test_corruption", "disk_errors": "test_disk_errors",
+          "hostile": "test_hostile_input", "other_users": "test_other_users", "load": "test_load"}
 
 
-def build_models(work: Path):
-    """The tiny qwen3_moe synthetic model, its prep folder, and a fake prep folder."""
-    from infer.prep.prep import prep
-    from infer.synth.synth import main as synth_main
-    from tests.iod_fixtures import make_prep
-
-    src, dst, fake = work / "src", work / "prep", work / "fake"
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is for the JSON lines
-        rc = synth_main(["--arch", "qwen3_moe", "--preset", "tiny", "--quant", "affine4",
-                         "--dtype", "float32", "--out", str(src)])
-    if rc != 0:
-        raise SystemExit(f"infer synth failed ({rc})")
-    prep(src, dst, progress=False)
-    make_prep(fake, num_experts=32)
-    return src, dst, fake
+def run_check(name, sizes) -> dict:
+    """One check's test at ``sizes``: its figures and whether it passed."""
+    env = {**os.environ, "RELIABILITY_SIZES": json.dumps(sizes)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                           f"tests/test_reliability.py::{CHECKS[name]}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    line = {"check": name}
+    for text in proc.stdout.splitlines():
+        if text.startswith('{"check"'):
+            figures = json.loads(text)
+            figures.pop("check", None)
+            line.update(figures)
+    line["ok"] = proc.returncode == 0
+    if not line["ok"]:
+        failure = [t for t in proc.stdout.splitlines() if t.startswith("E ")]
+        line["error"] = "\n".join(failure[:20])[:2000] or proc.stdout[-2000:]
+    return line
 
 
 def main(argv=None) -> int:
@@ -62,67 +63,24 @@ def main(argv=None) -> int:
     ap.add_argument("--probes", type=int, default=20,
                     help="other users: connect-and-ask attempts per request kind")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", help="keep models here (default: a temporary folder)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.rounds, args.kill_points, args.messages = 20, "8", 5000
-        args.load_seconds, args.base_seconds, args.disk_rounds = 10.0, 6.0, 2
-        args.no_ratio, args.probes = True, 5
     only = [c.strip() for c in args.only.split(",") if c.strip()]
     bad = set(only) - set(CHECKS)
     if bad:
         ap.error(f"unknown checks: {sorted(bad)}")
-
-    import tests.test_reliability as R
-
-    R.QUIET = True
-    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="soak-"))
-    work.mkdir(parents=True, exist_ok=True)
-    if not (work / "prep" / "manifest.json").exists():
-        for p in ("src", "prep", "fake"):
-            shutil.rmtree(work / p, ignore_errors=True)
-        src, prep, fake = build_models(work)
-    else:
-        src, prep, fake = work / "src", work / "prep", work / "fake"
-    kill_points = tuple(int(k) for k in args.kill_points.split(","))
-
-    runs = {
-        "session_crash": lambda: R.check_session_crash(src, prep, rounds=args.rounds,
-                                                       seed=args.seed),
-        "daemon_crash": lambda: R.check_daemon_crash(src, prep, kill_points=kill_points),
-        "corruption": lambda: R.check_corruption(src, prep, tempfile.mkdtemp(dir=work)),
-        "disk_errors": lambda: {**R.check_disk_errors(work, rounds=args.disk_rounds),
-                                "session": R.check_disk_error_session(src, prep)},
-        "hostile": lambda: R.check_hostile(fake, messages=args.messages, seed=args.seed),
-        "other_users": lambda: R.check_other_users(fake, probes=args.probes),
-        "load": lambda: R.check_load(fake, seconds=args.load_seconds,
-                                     base_seconds=args.base_seconds, sessions=args.sessions,
-                                     rate=args.rate, seed=args.seed,
-                                     assert_ratio=not args.no_ratio),
-    }
+    sizes = {"rounds": args.rounds, "kill_points": args.kill_points, "messages": args.messages,
+             "load_seconds": args.load_seconds, "base_seconds": args.base_seconds,
+             "sessions": args.sessions, "rate": args.rate, "assert_ratio": not args.no_ratio,
+             "disk_rounds": args.disk_rounds, "probes": args.probes, "seed": args.seed}
+    if args.quick:
+        sizes = {"seed": args.seed}  # the tests' own sizes
     failed = 0
     for name in only:
         t0 = time.monotonic()
-        line = {"check": name}
-        try:
-            if name == "other_users" and os.getuid() != 0:
-                raise RuntimeError("needs root (useradd, setuid)")
-            figures = runs[name]()
-            figures.pop("check", None)
-            line.update(ok=True, **figures)
-        except Exception as e:  # noqa: BLE001  (a failed check is a line, not the end)
-            failed += 1
-            last = dict(R.LAST.get(name, {}))
-            last.pop("check", None)
-            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}"
-                      for f in traceback.extract_tb(e.__traceback__)
-                      if Path(f.filename).parent.name in ("tests", "scripts")]
-            line.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000], **last,
-                        where=frames[-5:])
+        line = run_check(name, sizes)
+        failed += not line["ok"]
         line["elapsed_s"] = round(time.monotonic() - t0, 1)
         print(json.dumps(line), flush=True)
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
 
 

@@ -9,9 +9,11 @@ import errno
 import fcntl
 import os
 import select
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -194,3 +196,33 @@ def _read_line(fd, timeout) -> str:
             break
         buf += chunk
     return buf.decode(errors="replace").split("\n")[0]
+
+
+def start_daemon(arena, read_rate_mb, workers=4):
+    """A daemon of a benchmark's own (a private run dir under /tmp), stopped by closing
+    the returned pipe end. Returns (proc, pid, socket, folder, pipe w)."""
+    folder = Path(tempfile.mkdtemp(prefix="iodb-", dir="/tmp"))
+    sock = folder / "iod.sock"
+    r, w = os.pipe()
+    try:
+        proc, pid = spawn(sock, ["--arena", str(arena), "--workers", str(workers),
+                                 "--read-rate", str(read_rate_mb)],
+                          log=folder / "iod.log", parent_fd=r)
+    except BaseException:  # a daemon that did not start leaves nothing behind
+        os.close(w)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    finally:
+        os.close(r)
+    return proc, pid, sock, folder, w
+
+
+def stop_daemon(d):
+    proc, _, _, folder, w = d
+    os.close(w)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)

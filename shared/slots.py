@@ -22,7 +22,9 @@ re-reading every live row's pin: whichever side comes second sees the other
 daemon's CLOCK sweep which slots sessions hit.
 """
 
+import os
 import struct
+import sys
 from dataclasses import dataclass
 
 from .blob import round_up
@@ -111,3 +113,37 @@ class PinLayout:
 
     def refs(self, row: int) -> int:
         return self.row_bytes * row + 4 * self.slot_count
+
+# ---- an arena's size bounds (`iod start --arena`, and `infer bench --arena` before it starts one)
+
+MIN_ARENA = Layout(PAGE, 1).nbytes  # the 1 MiB directory and one slot of a page
+ARENA_SHARE = 0.75  # of physical memory, and of the shared-memory file system's free space
+
+
+def _fmt(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def arena_limit() -> tuple:
+    """(bytes, why): the largest arena allowed here, ARENA_SHARE of physical
+    memory and of the shared-memory file system's free space (Linux)."""
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit, why = int(phys * ARENA_SHARE), f"{ARENA_SHARE:.0%} of physical memory ({_fmt(phys)})"
+    if sys.platform.startswith("linux") and os.path.isdir("/dev/shm"):
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+        if int(free * ARENA_SHARE) < limit:
+            limit = int(free * ARENA_SHARE)
+            why = f"{ARENA_SHARE:.0%} of the free space in /dev/shm ({_fmt(free)} free)"
+    return limit, why
+
+
+def arena_size_problem(size: int):
+    """None when ``size`` is a sane arena here, else one line saying why not."""
+    if size < MIN_ARENA:
+        return (f"--arena {size} bytes is less than the minimum, {MIN_ARENA >> 10} KiB "
+                f"(the 1 MiB directory and one slot)")
+    limit, why = arena_limit()
+    if size > limit:
+        return f"--arena {_fmt(size)} is more than {why}: at most {_fmt(limit)} here"
+    return None

@@ -10,11 +10,13 @@ found in its directory and pinned in this session's pin-table row
 its reply grants them pinned. When the session's share of the arena is
 used up the daemon grants fewer, and the rest come in further waves.
 
-Implementations: ``infer.runtime.client.IodClient`` (the user's daemon over
-ZeroMQ) and ``iod.inproc.InprocSource`` (the same core in this process).
-They provide ``_demand`` and ``_send_prefetch``.
+``ExpertSource`` is the whole surface callers use. Implementations:
+``infer.runtime.client.IodClient`` (the user's daemon over ZeroMQ) and
+``iod.inproc.InprocSource`` (the same core in this process); both are made
+by ``infer.runtime.source.make_source``. They provide the abstract methods.
 """
 
+import abc
 import time
 
 import numpy as np
@@ -55,8 +57,16 @@ class Batch:
         return self.buf[off : off + self.sizes[i]]
 
 
-class ExpertSource:
-    """A session on one prep folder's experts (see the module docstring)."""
+class ExpertSource(abc.ABC):
+    """A session on one prep folder's experts (see the module docstring).
+
+    Fields every implementation sets: ``model_dir``, ``manifest``,
+    ``profile`` (keep per-record hop stamps in ``hop_log``), ``daemon_pid``
+    (0 where the core runs in this process), ``session_id``; ``counters``
+    and ``layer_calls`` come with the arena."""
+
+    daemon_pid = 0
+    session_id = 0
 
     def _attach_arena(self, arena_buf, pins_buf, hello, manifest):
         """Map the daemon's HelloOk onto this session's view of the arena."""
@@ -228,16 +238,36 @@ class ExpertSource:
         return native.load_u64(self._arena, S.READS_DONE_OFFSET)
 
     def _check(self):
-        pass
+        """Raise the source's sticky error, if it has one."""
 
     def _poll(self):
-        pass
+        """Take in what the core finished meanwhile."""
 
+    # ---- what an implementation provides -------------------------------------------
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """The core's STATS dict (as ``iod status --json`` prints it)."""
+
+    @abc.abstractmethod
+    def reconnect(self) -> None:
+        """After a dead core: attach to a fresh one, or raise."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """End the session; every later call raises."""
+
+    @abc.abstractmethod
     def _send_prefetch(self, hints, now):
         """Send ``hints`` (``protocol.Hint``s) as one PREFETCH."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _demand(self, layer, experts):
         """(SlotRefs, stamps): records granted, pinned for this session, for
         some of ``experts``; stamps per ref when profiling (else empty)."""
-        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

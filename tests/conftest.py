@@ -103,7 +103,7 @@ def prep_model(tmp_path_factory, synth_model):
 def model(tmp_path_factory):
     """A fake prep folder (random records, correct checksums) for daemon tests;
     one per test module."""
-    from tests.iod_fixtures import make_prep
+    from shared.fixtures import make_prep
 
     folder = tmp_path_factory.mktemp("model")
     make_prep(folder)

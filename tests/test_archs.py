@@ -26,7 +26,7 @@ from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, 
 from infer.runtime.client import IodClient
 from infer.runtime.loader import load_streaming
 from infer.prep.prep import prep
-from tests.iod_fixtures import LiveDaemon
+from shared.fixtures import LiveDaemon
 
 MODELS_DIR = Path(switch_layers.__file__).parent
 

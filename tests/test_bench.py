@@ -237,11 +237,11 @@ def test_warm_bench_fills_the_cache_and_runs_resident_speed_layers(prep_model, t
 
 
 def test_bench_pair_interleaves_resident_and_iod_with_equal_ids(prep_model, tmp_path):
-    """scripts/bench_pair.py: both models in one process, block by block;
+    """scripts/bench/bench_pair.py: both models in one process, block by block;
     one ratio per block, both decode the forced text to the same ids."""
     out = tmp_path / "pair.json"
     root = Path(__file__).parents[1]
-    script, env = root / "scripts" / "bench_pair.py", {**os.environ, "PYTHONPATH": str(root)}
+    script, env = root / "scripts" / "bench" / "bench_pair.py", {**os.environ, "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, str(script), str(prep_model("qwen3_moe")), "--tokens", "12",
                         "--block", "3", "--json", str(out)], capture_output=True, text=True, timeout=300,
                        env=env)
@@ -315,11 +315,10 @@ def test_bench_zero_keeps_its_documented_meanings(prep_model):
 
 
 def test_a_daemon_that_does_not_start_leaves_no_folder(monkeypatch, tmp_path):
-    import infer.tools.bench as bench
     import shared.launch
 
     made = []
-    real = bench.tempfile.mkdtemp
+    real = shared.launch.tempfile.mkdtemp
 
     def mkdtemp(**kw):
         made.append(Path(real(**{**kw, "dir": str(tmp_path)})))
@@ -328,10 +327,10 @@ def test_a_daemon_that_does_not_start_leaves_no_folder(monkeypatch, tmp_path):
     def spawn(*a, **kw):
         raise RuntimeError("iod did not start")
 
-    monkeypatch.setattr(bench.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(shared.launch.tempfile, "mkdtemp", mkdtemp)
     monkeypatch.setattr(shared.launch, "spawn", spawn)
     with pytest.raises(RuntimeError):
-        bench._start_daemon(0, 0.0)
+        shared.launch.start_daemon(0, 0.0)
     assert made and not made[0].exists()
 
 

@@ -12,8 +12,8 @@ from infer.runtime.budget import (DAEMON_OVERHEAD, PREFILL_STEP, minimum_budget,
 from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
 from shared.blob import Manifest
-from tests import cgroup
-from tests.cgroup import drop_page_cache
+from shared import cgroup
+from shared.cgroup import drop_page_cache
 
 
 def test_refuses_a_budget_below_the_minimum_and_names_it(prep_model):

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+from infer.prep.calibrate import count_usage
 from infer.runtime import coldstart
 from infer.tools.belady import belady_global, belady_misses, simulate, simulate_global
 
@@ -135,7 +136,7 @@ def test_usage_file_round_trip_and_preload_order(tmp_path, trained_model, traine
     (prep / coldstart.USAGE_NAME).unlink(missing_ok=True)
     assert coldstart.read_usage(prep) is None
     text = (trained_model("qwen3_moe") / "heldout.txt").read_text()
-    counts = coldstart.calibrate(prep, text, max_tokens=64)
+    counts = count_usage(prep, text, max_tokens=64)
     assert coldstart.read_usage(prep) == counts
     assert all(sum(c.values()) == 64 * 8 for c in counts.values())  # top-8 per token
     order = coldstart.usage_order(counts)
@@ -150,13 +151,13 @@ def test_usage_file_round_trip_and_preload_order(tmp_path, trained_model, traine
 
 
 def test_policy_table_sums_traces_per_budget():
-    """scripts/bench_policies.py: each budget's row is Belady and each policy
+    """scripts/bench/bench_policies.py: each budget's row is Belady and each policy
     summed over the traces, at the session cache's per-layer capacity."""
     import importlib.util
     from pathlib import Path
     from types import SimpleNamespace
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_policies.py"
+    path = Path(__file__).parents[1] / "scripts" / "bench" / "bench_policies.py"
     spec = importlib.util.spec_from_file_location("bench_policies", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -174,14 +175,14 @@ def test_policy_table_sums_traces_per_budget():
 
 
 def test_policy_traces_record_each_call_and_the_next_layers_guesses(trained_prep):
-    """scripts/bench_policies.py records, per call, the routed experts and the
+    """scripts/bench/bench_policies.py records, per call, the routed experts and the
     guesses made there for the next layers (as the replayed policies see them)."""
     import importlib.util
     from pathlib import Path
 
     from shared.blob import Manifest
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_policies.py"
+    path = Path(__file__).parents[1] / "scripts" / "bench" / "bench_policies.py"
     spec = importlib.util.spec_from_file_location("bench_policies", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -228,7 +229,7 @@ def _calibrated_prep(tmp_path, arch, trained_model, trained_prep, tokens):
 
     prep = tmp_path / "prep"
     shutil.copytree(trained_prep(arch), prep)
-    coldstart.calibrate(prep, (trained_model(arch) / "heldout.txt").read_text(), max_tokens=tokens)
+    count_usage(prep, (trained_model(arch) / "heldout.txt").read_text(), max_tokens=tokens)
     return prep
 
 
@@ -298,7 +299,7 @@ def _router_score_script():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_router_score.py"
+    path = Path(__file__).parents[1] / "scripts" / "bench" / "bench_router_score.py"
     spec = importlib.util.spec_from_file_location("bench_router_score", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -306,7 +307,7 @@ def _router_score_script():
 
 
 def test_router_probabilities_in_the_score_keep_what_the_router_nearly_chose():
-    """scripts/bench_router_score.py's RouterScore: an expert the router gave
+    """scripts/bench/bench_router_score.py's RouterScore: an expert the router gave
     high probability but did not route to outranks one routed once, later;
     its Foresight oracle keeps what the next call uses."""
     import numpy as np

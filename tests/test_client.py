@@ -10,7 +10,7 @@ import pytest
 
 from infer.runtime.client import DaemonDead, IodClient, IodError
 from shared.blob import Manifest
-from tests.iod_fixtures import LiveDaemon, record_bytes, shm_entries, short_dir, wait_for
+from shared.fixtures import LiveDaemon, record_bytes, shm_entries, short_dir, wait_for
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ def test_a_daemon_that_turns_but_reads_nothing_is_declared_stuck(model):
 
 
 def test_model_with_larger_stride_is_refused(model, tmp_path):
-    from tests.iod_fixtures import make_prep
+    from shared.fixtures import make_prep
 
     d = LiveDaemon(args=["--arena", "16M"])
     big = tmp_path / "big"
@@ -220,7 +220,7 @@ def test_model_with_larger_stride_is_refused(model, tmp_path):
 
 def test_queue_limit_is_typed(model):
     from shared import protocol as P
-    from tests.iod_fixtures import Raw
+    from shared.fixtures import Raw
 
     d = LiveDaemon(args=["--arena", "16M", "--workers", "1", "--read-rate", "1",
                          "--max-queued", "4"])

@@ -13,7 +13,7 @@ from tests.test_run import PROMPT, mlx_greedy_ids, run_cli, tiny_budget
 
 @pytest.fixture(autouse=True)
 def run_dir(monkeypatch):
-    from tests.iod_fixtures import short_dir
+    from shared.fixtures import short_dir
     import shutil
 
     folder = short_dir("iodd-")
@@ -137,7 +137,7 @@ def _daemon_bytes(daemon):
 
 def test_each_rank_streams_through_its_own_hosts_daemon(synth_model, prep_model, tmp_path):
     """One daemon per host: '{rank}' in --iod gives each local rank its own."""
-    from tests.iod_fixtures import LiveDaemon, short_dir
+    from shared.fixtures import LiveDaemon, short_dir
 
     src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
     root = short_dir("iodh-")
@@ -193,7 +193,7 @@ def test_serve_with_two_ranks_answers_like_mlx_lm(synth_model, prep_model, run_d
     from mlx_lm import generate as mlx_generate
     from mlx_lm import load as mlx_load
 
-    from tests.iod_fixtures import LiveDaemon
+    from shared.fixtures import LiveDaemon
     from tests.test_serve import start_server
 
     src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")

@@ -10,7 +10,7 @@ import pytest
 
 from shared import disk
 from shared import protocol as P
-from tests.iod_fixtures import LiveDaemon, Raw
+from shared.fixtures import LiveDaemon, Raw
 
 
 def test_knee_and_rate_on_a_known_curve():

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, unpin_refs, wait_for
+from shared.fixtures import LiveDaemon, Raw, record_bytes, shm_entries, unpin_refs, wait_for
 from shared import protocol as P
 from shared.blob import Manifest
 
@@ -119,7 +119,7 @@ def test_restart_after_sigkill_leaves_nothing_stale(model):
 def test_cli_start_status_stop(model, tmp_path):
     import json
 
-    from tests.iod_fixtures import short_dir
+    from shared.fixtures import short_dir
 
     folder = short_dir()
     sock = folder / "iod.sock"
@@ -146,7 +146,7 @@ def test_stop_after_sigkill_removes_what_the_daemon_left(model):
     start to sweep)."""
     import signal
 
-    from tests.iod_fixtures import short_dir
+    from shared.fixtures import short_dir
 
     folder = short_dir()
     sock = folder / "iod.sock"
@@ -181,7 +181,7 @@ def test_default_run_dir_is_created_0700(model, monkeypatch):
     import stat
 
     from shared import paths
-    from tests.iod_fixtures import short_dir
+    from shared.fixtures import short_dir
 
     base = short_dir()
     monkeypatch.setenv("IOD_RUN_DIR", str(base / "run"))
@@ -201,7 +201,7 @@ CLIENT_SCRIPT = """
 import sys
 from infer.runtime.client import IodClient
 from shared.blob import Manifest
-from tests.iod_fixtures import record_bytes
+from shared.fixtures import record_bytes
 model, sock = sys.argv[1], sys.argv[2]
 m = Manifest.load(model)
 with IodClient(model, iod=sock) as c:

@@ -16,7 +16,7 @@ from iod.sched import DEMAND, PREFETCH
 from shared import protocol as P
 from shared import slots as S
 from shared.blob import Manifest, manifest_hash, record_checksum
-from tests.iod_fixtures import make_prep, record_bytes
+from shared.fixtures import make_prep, record_bytes
 
 E = P.ErrorCode
 

@@ -5,7 +5,7 @@ import pytest
 
 from shared import protocol as P
 from shared.blob import Manifest
-from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, slot_bytes, unpin_refs
+from shared.fixtures import LiveDaemon, Raw, record_bytes, shm_entries, slot_bytes, unpin_refs
 
 E = P.ErrorCode
 
@@ -90,7 +90,7 @@ def test_persistent_corruption_fails_with_checksum(daemon, model):
 
 
 def test_failed_prefetch_leaves_nothing_and_a_demand_reads_again(daemon, model):
-    from tests.iod_fixtures import wait_for
+    from shared.fixtures import wait_for
 
     r = Raw(daemon.socket)
     h = r.hello(model)

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from shared import protocol as P
-from tests.iod_fixtures import LiveDaemon, Raw, shm_entries, unpin_refs
+from shared.fixtures import LiveDaemon, Raw, shm_entries, unpin_refs
 
 E = P.ErrorCode
 

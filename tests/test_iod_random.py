@@ -13,7 +13,7 @@ import native
 from shared import protocol as P
 from shared import slots as S
 from shared.blob import Manifest
-from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, shm_entries, wait_for
+from shared.fixtures import LiveDaemon, Raw, record_bytes, shm_entries, wait_for
 
 E = P.ErrorCode
 SHARE = 4  # 12 slots, 3 sessions

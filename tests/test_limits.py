@@ -21,7 +21,7 @@ import pytest
 
 from shared import protocol as P
 from shared.blob import Manifest
-from tests.iod_fixtures import PY, Raw, short_dir, wait_for
+from shared.fixtures import PY, Raw, short_dir, wait_for
 from tests.test_run import PROMPT, mlx_greedy_ids, tiny_budget
 from tests.test_trust import cli, emit, gone, one_line
 
@@ -509,7 +509,7 @@ def test_two_thousand_connections_are_capped_and_refused_cleanly(model):
     100 at the handshake (none keeps retrying), keeps serving the session
     it had, and admits again once connections close."""
     from infer.runtime.client import IodClient
-    from tests.iod_fixtures import record_bytes
+    from shared.fixtures import record_bytes
 
     d = Detached("--arena", "16M")  # --max-connections 1024 (the default)
     peers = Peers()
@@ -609,7 +609,7 @@ def test_unread_replies_do_not_grow_the_daemon(model):
     the session it serves meanwhile gets its records."""
     from infer.runtime.client import IodClient
     from shared import codec
-    from tests.iod_fixtures import record_bytes
+    from shared.fixtures import record_bytes
 
     n_peers, per_peer = 60, 300
     d = Detached("--arena", "32M")  # 105 slots: a share of 1 for each of 61 sessions

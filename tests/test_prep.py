@@ -460,7 +460,7 @@ def test_published_layout_runs_exactly_as_mlx_lm_convert_output(tmp_path, monkey
 
     from infer.runtime.client import IodClient
     from infer.runtime.loader import load_streaming
-    from tests.iod_fixtures import short_dir
+    from shared.fixtures import short_dir
 
     monkeypatch.setenv("IOD_RUN_DIR", str(short_dir("iodh-")))
     src = synth_hf(tmp_path / "hf", "qwen3_moe")

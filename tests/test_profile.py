@@ -12,7 +12,7 @@ import pytest
 
 from infer.tools.profile import (HOPS, decode_split, demand_bursts, lanes, percentiles, summarize,
                            trace_events)
-from tests.iod_fixtures import short_dir
+from shared.fixtures import short_dir
 
 PHASES = set("BEXIiCbnesftPOND(M)") - set("()")
 META_NAMES = {"process_name", "thread_name", "process_sort_index", "thread_sort_index",
@@ -301,7 +301,7 @@ def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model
 
 def test_ipc_bench_json_schema(tmp_path):
     out = tmp_path / "ipc.json"
-    script = Path(__file__).resolve().parent.parent / "scripts" / "ipc_bench.py"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "ipc_bench.py"
     r = subprocess.run([sys.executable, str(script), "--sessions", "1,2", "--hits", "20",
                         "--misses", "6", "--record-bytes", "65536", "--arena-mb", "4",
                         "--json", str(out)], capture_output=True, text=True, timeout=180)

@@ -30,7 +30,7 @@ import pytest
 
 from shared import protocol as P
 from shared.blob import Manifest, manifest_hash
-from tests.iod_fixtures import (LiveDaemon, Raw, make_prep, record_bytes, shm_entries,
+from shared.fixtures import (LiveDaemon, Raw, make_prep, record_bytes, shm_entries,
                                 short_dir, slot_bytes, unpin_refs, wait_for)
 
 E = P.ErrorCode
@@ -39,16 +39,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Write a list of colors: red, green, blue"  # as tests/test_run.py
 
 
-QUIET = False  # scripts/soak.py prints its own lines (with "ok" and the time taken)
 LAST = {}  # the latest figures of each check, also when it then fails
+# scripts/soak.py runs these tests at full size: its sizes come as JSON here
+SIZES = json.loads(os.environ.get("RELIABILITY_SIZES", "{}"))
+
+
+def size(name, ci):
+    return type(ci)(SIZES.get(name, ci))
 
 
 def emit(check, figures):
     """Print one JSON line of figures and return them."""
     out = {"check": check, **figures}
     LAST[check] = out
-    if not QUIET:
-        print(json.dumps(out, sort_keys=False), flush=True)
+    print(json.dumps(out, sort_keys=False), flush=True)
     return out
 
 
@@ -1143,11 +1147,12 @@ def tiny(synth_model, prep_model):
 
 
 def test_session_crash(tiny):
-    check_session_crash(*tiny, rounds=20)
+    check_session_crash(*tiny, rounds=size("rounds", 20), seed=size("seed", 0))
 
 
 def test_daemon_crash(tiny):
-    check_daemon_crash(*tiny)
+    points = tuple(int(k) for k in size("kill_points", "8").split(","))
+    check_daemon_crash(*tiny, kill_points=points)
 
 
 def test_corruption(tiny, tmp_path):
@@ -1155,20 +1160,22 @@ def test_corruption(tiny, tmp_path):
 
 
 def test_disk_errors(tiny, tmp_path):
-    figures = check_disk_errors(tmp_path, rounds=2)
+    figures = check_disk_errors(tmp_path, rounds=size("disk_rounds", 2))
     emit("disk_errors_session", check_disk_error_session(*tiny))
     assert figures["missing_errors"] == 0
 
 
 def test_hostile_input(fake):
-    check_hostile(fake, messages=5000)
+    check_hostile(fake, messages=size("messages", 5000), seed=size("seed", 0))
 
 
 @pytest.mark.skipif(os.getuid() != 0 or not hasattr(pysocket, "SO_PEERCRED"),
                     reason="needs root (useradd, setuid) and SO_PEERCRED")
 def test_other_users(fake):
-    check_other_users(fake)
+    check_other_users(fake, probes=size("probes", 5))
 
 
 def test_load(fake):
-    check_load(fake, seconds=10, base_seconds=5)
+    check_load(fake, seconds=size("load_seconds", 10.0), base_seconds=size("base_seconds", 5.0),
+               sessions=size("sessions", 8), rate=size("rate", 20.0), seed=size("seed", 0),
+               assert_ratio=size("assert_ratio", False))

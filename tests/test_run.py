@@ -17,7 +17,7 @@ from mlx_lm import stream_generate
 
 import infer
 from infer.run import encode_prompt, stats_lines
-from tests.iod_fixtures import LiveDaemon, shm_entries, short_dir
+from shared.fixtures import LiveDaemon, shm_entries, short_dir
 
 PROMPT = "Write a list of colors: red, green, blue"
 
@@ -426,7 +426,7 @@ def _daemons_under(folder):
                                               (signal.SIGTERM, 143, "infer run: terminated"),
                                               (signal.SIGHUP, 129, "infer run: hung up")])
 def test_ctrl_c_or_sigterm_is_one_line_and_leaves_no_daemon(prep_model, run_dir, sig, rc_want, line):
-    from tests.iod_fixtures import wait_for
+    from shared.fixtures import wait_for
 
     # the random-weight model reaches its eos after ~200 tokens: on a loaded
     # machine the run may end before the signal comes (exit 0); run it again

@@ -17,7 +17,7 @@ from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 
 from shared import protocol as P
-from tests.iod_fixtures import LiveDaemon, Raw, short_dir, wait_for
+from shared.fixtures import LiveDaemon, Raw, short_dir, wait_for
 
 openai = pytest.importorskip("openai")
 

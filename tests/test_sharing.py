@@ -15,7 +15,7 @@ import pytest
 from infer.runtime.client import IodClient
 from shared import protocol as P
 from shared.blob import Manifest
-from tests.iod_fixtures import LiveDaemon, Raw, record_bytes, short_dir, wait_for
+from shared.fixtures import LiveDaemon, Raw, record_bytes, short_dir, wait_for
 from tests.test_run import PROMPT, mlx_greedy_ids
 
 N_TOKENS = 32

@@ -627,7 +627,7 @@ def test_cli_every_draft_same_ids_through_iod(prep_model):
     import os
     import shutil
 
-    from tests.iod_fixtures import short_dir
+    from shared.fixtures import short_dir
 
     prep = prep_model("qwen3_next")
     folder = short_dir("iods-")

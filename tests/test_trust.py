@@ -33,7 +33,7 @@ from iod import runtime
 from shared import blob, paths, trust
 from shared import protocol as P
 from shared import slots as S
-from tests.iod_fixtures import PY, LiveDaemon, Raw, make_prep, record_bytes, short_dir, wait_for
+from shared.fixtures import PY, LiveDaemon, Raw, make_prep, record_bytes, short_dir, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not sys.platform.startswith("linux"),
                                 reason="needs root (real other users) and Linux")

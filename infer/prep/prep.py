@@ -588,7 +588,8 @@ def main(argv) -> int:
         f"resident {resident / 1e6:.1f} MB, {time.time() - t0:.1f}s"
     )
     if a.calibrate is not None:
-        from infer.runtime.predict import CALIBRATION_NAME, calibrate_folder
+        from infer.prep.calibrate import calibrate_folder, count_usage
+        from infer.runtime.predict import CALIBRATION_NAME
 
         try:
             cal = calibrate_folder(a.out, a.calibrate)
@@ -601,7 +602,7 @@ def main(argv) -> int:
               f"{', '.join(picked) or 'nothing'}")
         from infer.runtime import coldstart
 
-        coldstart.calibrate(a.out, a.calibrate.read_text(encoding="utf-8", errors="replace"))
+        count_usage(a.out, a.calibrate.read_text(encoding="utf-8", errors="replace"))
         print(f"wrote {a.out / coldstart.USAGE_NAME}: the experts the text uses most, loaded first")
     print(f"peak RSS {peak_rss_mb():.0f} MB")
     return 0

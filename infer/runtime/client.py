@@ -310,12 +310,6 @@ class IodClient(ExpertSource):
         self._stop_private()
         self._dead = self._dead or DaemonDead("client closed")
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     # ---- the wire ------------------------------------------------------------------
 
     def _req(self):

@@ -7,8 +7,8 @@ most used experts before the first token (``ExpertStore.preload``), as far
 as the cache has room, so the first tokens do not pay a miss for every
 expert they need.
 
-    from infer.runtime.coldstart import calibrate
-    calibrate(prep_folder, text)  # e.g. from `infer prep --calibrate TEXT`
+    from infer.prep.calibrate import count_usage
+    count_usage(prep_folder, text)  # e.g. from `infer prep --calibrate TEXT`
 """
 
 import json
@@ -71,34 +71,6 @@ def check_usage(counts, layouts, path=USAGE_NAME):
         if bad:
             raise UsageError(f"{path}: layer {layer} counts expert {bad[0]} ({c[bad[0]]} uses); "
                              f"the layer has experts 0..{experts[layer] - 1}")
-
-
-def calibrate(folder, text, max_tokens=CALIBRATION_TOKENS):
-    """Route ``text`` (its first ``max_tokens`` tokens, one token a step as
-    in decode) through the prep ``folder``'s model (the default cache: the
-    trace is the routing whatever the cache holds), count the experts each
-    layer uses, and write ``usage.json``."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from iod.inproc import InprocSource
-
-    from infer.runtime.loader import load_streaming
-
-    source = InprocSource(folder)
-    try:
-        model, tok, store = load_streaming(folder, source, dtype=mx.float32, preload=False)
-        store.depth = 0
-        store.trace = []
-        ids = tok.encode(text, add_special_tokens=False)[:max_tokens]
-        cache = make_prompt_cache(model)
-        for t in ids:
-            mx.eval(model(mx.array([[t]]), cache=cache))
-    finally:
-        source.close()
-    counts = count_trace(store.routing_trace())
-    write_usage(folder, counts, len(ids))
-    return counts
 
 
 def preload(store, folder):

@@ -177,11 +177,11 @@ def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=N
     ``iod_timeout``: seconds the daemon may stand still before a call raises
     ``infer.runtime.client.DaemonDead`` (a slow disk is waited for).
     """
-    from infer.runtime.client import IodClient
+    from infer.runtime.source import make_source
 
     check_prep_folder(model_dir)
     if isinstance(dtype, str):
         dtype = getattr(mx, dtype)
-    source = IodClient(model_dir, iod=iod, working_set=top_k(model_dir), timeout=iod_timeout)
+    source = make_source(model_dir, iod, working_set=top_k(model_dir), timeout=iod_timeout)
     model, tokenizer, _ = load_streaming(model_dir, source, cache_bytes, tokenizer_config, dtype)
     return model, tokenizer

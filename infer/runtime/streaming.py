@@ -13,7 +13,7 @@ the lowest access frequency under exponential decay (half-life of 16 calls
 of the layer), ties going to the least recent. A call's missed experts are
 placed best-scored first, each only over a victim that scores no higher.
 On trained routing this misses 8-15% less than plain decay at a 10% cache
-(docs/benchmarks.md, `scripts/bench_policies.py`). The experts that find no
+(docs/benchmarks.md, `scripts/bench/bench_policies.py`). The experts that find no
 place (a long prefill with a small cache, or one-off experts) run from a
 temporary compact stack.
 """
@@ -287,6 +287,21 @@ class ExpertStore:
         self._read = [0.0, 0.0]  # decayed [bytes, seconds] of demand reads
         self._last_layer = None  # the layer of the last streamed call
 
+    def use(self, source):
+        """Serve from ``source`` (an ``ExpertSource``) from now on: a
+        benchmark gives each run a fresh one while the model stays loaded."""
+        self.source = source
+
+    def reset(self, keep_cache=False):
+        """Zeroed figures and a fresh routing trace, same modules and routers;
+        a cold cache and a fresh prediction gate unless ``keep_cache`` (a
+        long session's steady state). For a benchmark's next run."""
+        if not keep_cache:
+            self.stacks = {}
+            self.gate = PredictionGate(self.gate.mode)
+        self.reset_stats()
+        self.trace = []
+
     def stack(self, layer):
         if layer not in self.stacks:
             self.stacks[layer] = LayerStack(self.layouts[layer], self.capacity.get(layer, 0), self.dtype)
@@ -421,7 +436,7 @@ class ExpertStore:
             rank = dict(zip(rows.T.ravel()[::-1].tolist(), np.repeat(np.arange(width), n)[::-1].tolist()))
             # what a read would bring: not cached, not hinted, not ready in the arena
             fresh = rank.keys() - self.stack(layer).position.keys() - self._hinted.get(layer, set())
-            if fresh and hasattr(self.source, "not_ready"):
+            if fresh and self.source is not None:
                 fresh = self._call("not_ready", layer, fresh)
             for e in sorted(fresh, key=lambda e: (rank[e], e)):  # plan breaks ties in this order
                 r = rank[e]
@@ -547,7 +562,7 @@ class ExpertStore:
         """A call's misses: ready in the arena (read ahead, or left by an
         earlier read), hinted but not read yet (late), guessed but not hinted
         (the plan or the precision gate left them out), or never guessed."""
-        if not hasattr(self.source, "not_ready"):
+        if self.source is None:
             return
         waiting = set(self._call("not_ready", layer, missing))
         unhinted = waiting - hinted

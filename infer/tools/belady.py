@@ -9,7 +9,7 @@ at once; an expert of the current call is never evicted to make room for
 another of the same call (the store then falls back to a temporary stack).
 
 A trace may also carry, per call, the experts it predicted for the next
-layers (``scripts/bench_policies.py`` records them), which the
+layers (``scripts/bench/bench_policies.py`` records them), which the
 prediction-aware pool policy (``simulate_global(..., "predict")``) uses.
 docs/benchmarks.md, "Cache policy on trained routing", has the measured table.
 """
@@ -37,19 +37,30 @@ def belady_layer(requests, capacity):
     expert never needed again is worth nothing; one that would be needed
     later than all others is simply not kept — bypassing is allowed, which
     makes this a lower bound on any policy, LRU included)."""
+    return sum(belady_requests(requests, capacity))
+
+
+def belady_requests(requests, capacity, counted=None):
+    """Belady's misses per request. ``counted`` (a bool per request, default
+    all): the requests whose misses count; the others (a prefill, when only
+    decode is scored) are read anyway, so they cost nothing, may leave what
+    they read cached, and a use there is no reason to keep an expert: the
+    next use is the next counted one. Optimal for the counted misses."""
+    counted = [True] * len(requests) if counted is None else list(counted)
     if capacity <= 0:
-        return sum(len(r) for r in requests)
-    # next use of each (request index, expert)
+        return [len(r) if c else 0 for r, c in zip(requests, counted)]
+    # next counted use of each (request index, expert)
     nxt = [None] * len(requests)
     upcoming = {}
     for i in range(len(requests) - 1, -1, -1):
         nxt[i] = {e: upcoming.get(e, float("inf")) for e in requests[i]}
-        for e in requests[i]:
-            upcoming[e] = i
+        if counted[i]:
+            for e in requests[i]:
+                upcoming[e] = i
     cache = {}  # expert -> next use index
-    misses = 0
+    out = []
     for i, req in enumerate(requests):
-        misses += sum(1 for e in req if e not in cache)
+        out.append(sum(1 for e in req if e not in cache) if counted[i] else 0)
         for e in req:
             cache[e] = nxt[i][e]
         if len(cache) > capacity:
@@ -57,7 +68,7 @@ def belady_layer(requests, capacity):
             cache = dict(keep)
         # drop experts never used again: they only take room
         cache = {e: t for e, t in cache.items() if t != float("inf")}
-    return misses
+    return out
 
 
 def belady_misses(trace, capacity):
@@ -185,22 +196,45 @@ class FreqDecayAdmit(FreqDecay):
 
 
 class FreqDecayRank(FreqDecay):
-    """The session cache's rule (``infer.runtime.streaming.LayerStack``): decayed
+    """The session cache's rule (``infer.runtime.placement.Placement``): decayed
     frequency, and a call's missed experts are placed best-scored first, each
     only while it scores at least as high as the victim it would replace; the
     rest run from a temporary stack. A call that needs more experts than the
-    stack holds therefore keeps the ones used most, not the first by id."""
+    stack holds therefore keeps the ones used most, not the first by id.
+    ``admit_all``: without that admission test (placed best-scored first
+    still, over any victim outside the call)."""
+
+    def __init__(self, capacity, half_life=16.0, admit_all=False):
+        super().__init__(capacity, half_life)
+        self.admit_all = admit_all
 
     def request(self, req):
         missing = self._count(req)
         for e in sorted(missing, key=lambda e: (-self._rank(e), e)):
             if len(self.cached) >= self.capacity:
                 v = self.victim(req)
-                if v is None or self._rank(v) > self._rank(e):
+                if v is None or (not self.admit_all and self._rank(v) > self._rank(e)):
                     continue  # used once from a temporary stack
                 del self.cached[v]
             self.on_insert(e)
         return len(missing)
+
+
+class ToldNext(FreqDecayRank):
+    """``oracle1``: the session cache's rule told the experts its layer's
+    next call uses (``soon``, set before each ``request``; in decode, the
+    next token's). Those outrank every other expert: it never evicts one of
+    them for an expert the next call does not use, and it always caches a
+    missed one of them over an expert the next call does not use. Among the
+    rest, and among themselves, the rule's own decayed ranks decide. Told
+    nothing, it is the rule."""
+
+    def __init__(self, capacity, half_life=16.0):
+        super().__init__(capacity, half_life)
+        self.soon = frozenset()
+
+    def _rank(self, e):
+        return super()._rank(e) + (1e6 if e in self.soon else 0.0)
 
 
 class LFUAdmit(LFU):
@@ -261,6 +295,10 @@ POLICIES = {
     "arc": ARC,
     "decay16+rank": lambda c: FreqDecayRank(c, 16.0),
     "decay32+rank": lambda c: FreqDecayRank(c, 32.0),
+    # the rank order without the admission test
+    "decay16+order": lambda c: FreqDecayRank(c, 16.0, admit_all=True),
+    "decay32+order": lambda c: FreqDecayRank(c, 32.0, admit_all=True),
+    "decay64+order": lambda c: FreqDecayRank(c, 64.0, admit_all=True),
 }
 
 

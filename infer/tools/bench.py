@@ -21,7 +21,6 @@ same in every mode. Each run starts cold (empty expert cache, fresh daemon).
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,10 +29,13 @@ import threading
 import time
 from pathlib import Path
 
+from shared.launch import start_daemon, stop_daemon
 from shared.paths import check_out
 from shared.units import format_size, parse_size
 
 from infer.data import CORPUS
+from infer.runtime.source import make_source
+from infer.tools.resident import load_resident
 from infer.tools import bench_draft
 from infer.args import (Parser, add_dtype, mx_dtype, nonneg_float, nonneg_int, positive_int,
                    write_atomic)
@@ -214,78 +216,6 @@ def decode(model, prompt_ids, follow, n, store=None):
     return out
 
 
-def reset_store(store, keep_cache=False):
-    """Zeroed figures, same modules and routers; a cold cache and a fresh
-    prediction gate unless ``keep_cache`` (a long session's steady state)."""
-    if not keep_cache:
-        from infer.runtime.gate import PredictionGate
-
-        store.stacks = {}
-        store.gate = PredictionGate(store.gate.mode)
-    store.reset_stats()
-    store.trace = []
-
-
-# ---- the resident model -------------------------------------------------------------
-
-
-def blob_tensors(model_dir, layers):
-    """{module.projection.tensor: MLX array stacked over the experts} of
-    manifest ``layers``, read from their blobs."""
-    import mlx.core as mx
-    import numpy as np
-
-    from shared.blob import NUMPY_DTYPES
-
-    from infer.runtime.streaming import _MX_DTYPES
-
-    out = {}
-    for lay in layers:
-        raw = np.fromfile(Path(model_dir) / lay.file, dtype=np.uint8)
-        raw = raw[: lay.num_experts * lay.stride].reshape(lay.num_experts, lay.stride)
-        for s in lay.segments:
-            a = np.ascontiguousarray(raw[:, s.offset : s.offset + s.nbytes])
-            a = a.view(NUMPY_DTYPES[s.dtype]).reshape(lay.num_experts, *s.shape)
-            arr = mx.array(a)
-            if arr.dtype != _MX_DTYPES[s.dtype]:
-                arr = arr.view(_MX_DTYPES[s.dtype])
-            out[f"{lay.module}.{s.projection}.{s.tensor}"] = arr
-        del raw
-    return out
-
-
-def load_resident(model_dir):
-    """mlx-lm's own model with all experts in memory, from a prep folder."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from mlx_lm.utils import _get_classes, load_model
-
-    from shared.blob import Manifest
-
-    model_dir = Path(model_dir)
-    manifest = Manifest.load(model_dir)
-
-    def experts():
-        # an MTP head's experts belong to the head (bench_draft.load_head)
-        return blob_tensors(model_dir, [l for l in manifest.layers if not l.module.startswith("mtp.")])
-
-    def get_classes(config):
-        model_class, args_class = _get_classes(config)
-
-        class Resident(model_class):
-            def sanitize(self, weights):
-                if hasattr(model_class, "sanitize"):
-                    weights = super().sanitize(weights)
-                weights.update(experts())
-                return weights
-
-        Resident.__name__ = model_class.__name__
-        return Resident, args_class
-
-    model, config = load_model(model_dir, get_model_classes=get_classes)
-    tokenizer = load_tokenizer(model_dir, {}, eos_token_ids=config.get("eos_token_id"))
-    return model, tokenizer
-
-
 def mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -300,38 +230,6 @@ def mem_available() -> int:
 
 
 # ---- one mode, in its own process ---------------------------------------------------
-
-
-def _start_daemon(arena, read_rate_mb, workers=4):
-    """A daemon of the benchmark's own (private run dir), stopped by closing
-    the returned pipe end. Returns (proc, pid, socket, folder, pipe w)."""
-    from shared.launch import spawn
-
-    folder = Path(tempfile.mkdtemp(prefix="iodb-", dir="/tmp"))
-    sock = folder / "iod.sock"
-    r, w = os.pipe()
-    try:
-        proc, pid = spawn(sock, ["--arena", str(arena), "--workers", str(workers),
-                                 "--read-rate", str(read_rate_mb)],
-                          log=folder / "iod.log", parent_fd=r)
-    except BaseException:  # a daemon that did not start leaves nothing behind
-        os.close(w)
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    finally:
-        os.close(r)
-    return proc, pid, sock, folder, w
-
-
-def _stop_daemon(d):
-    proc, _, _, folder, w = d
-    os.close(w)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _daemon_bytes(client):
@@ -407,29 +305,23 @@ def worker(args) -> dict:
         daemon = client = None
         try:
             if mode == "iod":
-                from infer.runtime.client import IodClient
-
-                if args.iod:
-                    client = IodClient(args.model, iod=args.iod)
-                else:
-                    daemon = _start_daemon(arena, args.read_rate)
-                    client = IodClient(args.model, iod=str(daemon[2]))
-                store.source = client
+                if not args.iod:
+                    daemon = start_daemon(arena, args.read_rate)
+                client = make_source(args.model, args.iod or str(daemon[2]))
+                store.use(client)
                 read0 = _daemon_bytes(client)
             if mode in ("sync", "inproc"):
-                from iod.inproc import InprocSource
-
-                store.source = InprocSource(args.model, arena=arena, read_rate=rate,
-                                            workers=1 if mode == "sync" else 4)
+                store.use(make_source(args.model, "inproc", arena=arena, read_rate=rate,
+                                      workers=1 if mode == "sync" else 4))
                 read0 = 0
             if store is not None:
-                reset_store(store)
+                store.reset()
             if args.warm:
                 if store is not None:
                     store.preload()
                 decode(model, prompt_ids, follow, args.max_tokens, store)
                 if store is not None:
-                    reset_store(store, keep_cache=True)
+                    store.reset(keep_cache=True)
             if args.wait_go and r == 0:
                 print("READY", flush=True)
                 sys.stdin.readline()
@@ -440,7 +332,7 @@ def worker(args) -> dict:
                 run["trace"] = store.routing_trace()
                 run["prediction"] = store.prediction_stats()
                 run["source_counters"] = _source_counters(store.source)
-                run["arena_pinned"] = getattr(store.source, "cuda_pinned", None)  # before close
+                run["arena_pinned"] = store.source.cuda_pinned  # before close
             if mode in ("sync", "inproc"):
                 daemon_read.append(store.source.bytes_read - read0)
                 store.source.close()
@@ -451,7 +343,7 @@ def worker(args) -> dict:
                 client.close()
         finally:  # however the run ends, its daemon stops and its folder in /tmp goes
             if daemon is not None:
-                _stop_daemon(daemon)
+                stop_daemon(daemon)
         runs.append(run)
         mx.clear_cache()
 
@@ -683,13 +575,11 @@ def run_sessions(args, tmp, shared: bool) -> dict:
     sub = argparse.Namespace(**vars(args))
     sub.runs = 1
     arena = args.arena or staging_arena_bytes(Manifest.load(args.model), args.depth)
-    from infer.runtime.client import IodClient
-
     daemons, probes, procs, outs = [], [], [], []
     try:
         for _ in range(1 if shared else n):
-            daemons.append(_start_daemon(arena, args.read_rate))
-            probes.append(IodClient(args.model, iod=str(daemons[-1][2])))
+            daemons.append(start_daemon(arena, args.read_rate))
+            probes.append(make_source(args.model, str(daemons[-1][2])))
         before = [_daemon_bytes(c) for c in probes]
         for i in range(n):
             d = daemons[0 if shared else i]
@@ -719,7 +609,7 @@ def run_sessions(args, tmp, shared: bool) -> dict:
         for c in probes:
             c.close()
         for d in daemons:
-            _stop_daemon(d)
+            stop_daemon(d)
     return {"bytes_read": bytes_read,
             "decode_tok_s": [r["decode_tok_s"] for r in results],
             "stall_fraction": [r["stall_fraction"] for r in results],
@@ -803,7 +693,7 @@ def main(argv=None) -> int:
         manifest = check_prep_folder(args.model)
         cache_bytes = cache_bytes_of(args.budget, manifest, args.draft, args.model)
         if args.arena:
-            from iod.runtime import arena_size_problem
+            from shared.slots import arena_size_problem
 
             why = arena_size_problem(parse_size(args.arena))  # what `iod start` would refuse
             if why:

@@ -131,31 +131,29 @@ def worker_argv(args):
 def fresh_source(args, mode, store, arena):
     """A cold source for one generation (a fresh daemon in the iod mode), the
     session cache emptied; nothing for the resident model."""
-    from infer.tools.bench import _start_daemon, _stop_daemon, reset_store
+    from shared.launch import start_daemon, stop_daemon
+
+    from infer.runtime.source import make_source
 
     if store is None:
         yield
         return
     daemon = None
     if mode == "iod":
-        from infer.runtime.client import IodClient
-
-        daemon = _start_daemon(arena, args.read_rate)
-        source = IodClient(args.model, iod=str(daemon[2]))
+        daemon = start_daemon(arena, args.read_rate)
+        source = make_source(args.model, str(daemon[2]))
     else:
-        from iod.inproc import InprocSource
-
-        source = InprocSource(args.model, arena=arena, read_rate=args.read_rate * 1e6,
-                              workers=1 if mode == "sync" else 4)
-    store.source = source
-    reset_store(store)
+        source = make_source(args.model, "inproc", arena=arena, read_rate=args.read_rate * 1e6,
+                             workers=1 if mode == "sync" else 4)
+    store.use(source)
+    store.reset()
     store.trace = None  # no routing trace: the store runs as in `infer run`
     try:
         yield
     finally:
         source.close()
         if daemon is not None:
-            _stop_daemon(daemon)
+            stop_daemon(daemon)
 
 
 def load_head(args, model, store, manifest):
@@ -167,7 +165,7 @@ def load_head(args, model, store, manifest):
     if store is not None:
         head = load_mtp(args.model, model, store, manifest)
     else:
-        from infer.tools.bench import blob_tensors
+        from infer.tools.resident import blob_tensors
 
         mtp_layers = [l for l in manifest.layers if l.module.startswith("mtp.")]
         head = load_mtp(args.model, model, experts=blob_tensors(args.model, mtp_layers))

@@ -135,7 +135,7 @@ class Profiler:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         meta = dict(meta or {})
-        daemon_pid = getattr(self.client, "daemon_pid", 0) or 0
+        daemon_pid = self.client.daemon_pid if self.client is not None else 0
         events = trace_events(self.records, self.spans, self.tokens, os.getpid(), daemon_pid)
         (folder / "trace.json").write_text(json.dumps({"traceEvents": events,
                                                        "displayTimeUnit": "ms"}))

@@ -9,7 +9,6 @@ or end to end in greedy speculative decoding with one draft token.
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 PROMPTS = (
     "import os\nimport sys\n\n\ndef ",

@@ -2,7 +2,7 @@
 daemon's read throughput against a plain O_DIRECT read loop over the same
 records, in the same run.
 
-    python scripts/iod_bench.py [--data /tmp/iod-bench] [--gb 1.5] [--record-mb 2]
+    python scripts/bench/iod_bench.py [--data /tmp/iod-bench] [--gb 1.5] [--record-mb 2]
                                 [--workers 4] [--runs 3] [--json out.json]
 
 The data set is a fake prep folder (random bytes, correct checksums), built
@@ -116,7 +116,7 @@ def daemon_read(raw, hello, m: Manifest, keys, window: int) -> float:
     records still in the arena from an earlier run count for nothing) while
     serving single-record DEMANDs with ``window`` outstanding; each grant is
     unpinned at once."""
-    from tests.iod_fixtures import unpin_refs
+    from shared.fixtures import unpin_refs
 
     before = raw.rt(P.Stats(raw.req())).stats["counters"]["bytes_read"]
     lay = {l.layer: l for l in m.layers}
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
 
     from infer.runtime.client import IodClient
     from shared.launch import spawn
-    from tests.iod_fixtures import Raw, short_dir
+    from shared.fixtures import Raw, short_dir
 
     t = time.perf_counter()
     m = build(args.data, args.gb, args.record_mb)

@@ -1,6 +1,6 @@
 """IPC latency of iod with 1, 2, 4 and 8 concurrent sessions.
 
-    python scripts/ipc_bench.py [--sessions 1,2,4,8] [--hits 400] [--misses 60]
+    python scripts/bench/ipc_bench.py [--sessions 1,2,4,8] [--hits 400] [--misses 60]
                                 [--record-bytes 2654208] [--runs 1] [--json PATH]
 
 Each session is its own process with an ``IodClient`` (the client the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`--draft auto` against plain decoding, interleaved in one process.
 
-usage: scripts/spec_ab.py PREP PROMPT REPS TOKENS OUT.json
+usage: scripts/bench/spec_ab.py PREP PROMPT REPS TOKENS OUT.json
 
 The resident model (float32) generates TOKENS greedy tokens REPS + 1 times
 per configuration: plain (mlx-lm's generate_step), auto with the lockstep
@@ -20,7 +20,7 @@ import types
 
 import mlx.core as mx
 from infer.tools import bench_draft as bd
-from infer.tools.bench import load_resident
+from infer.tools.resident import load_resident
 from infer.runtime.loader import cast_model
 from infer.spec.mtp import MTPDrafter
 from infer.run import encode_prompt

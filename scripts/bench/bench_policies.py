@@ -1,6 +1,6 @@
 """Cache replacement policies against Belady on recorded routing traces.
 
-    scripts/bench_policies.py --model PREP [--tokens 256] [--trace T.json] [--json OUT]
+    scripts/bench/bench_policies.py --model PREP [--tokens 256] [--trace T.json] [--json OUT]
 
 Records the routing trace of a teacher-forced decode (prompt + fixed text,
 and a greedy free run), then simulates each policy with per-layer stacks at
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from infer.tools.belady import (POLICIES, belady_global, belady_misses, simulate,  # noqa: E402
                           simulate_global)
@@ -41,11 +41,11 @@ def record(model_dir, tokens, text=None, stretches=2):
     from infer.tools.bench import decode
     from infer.runtime.gate import PredictionGate
     from infer.runtime.loader import load_streaming
-    from iod.inproc import InprocSource
+    from infer.runtime.source import make_source
     from shared.blob import Manifest
 
     manifest = Manifest.load(model_dir)
-    source = InprocSource(model_dir)
+    source = make_source(model_dir, "inproc")
     model, tok, store = load_streaming(model_dir, source, manifest.expert_bytes, dtype=mx.float32,
                                          preload=False)
     ids = tok.encode(Path(text).read_text(), add_special_tokens=False) if text \

@@ -1,12 +1,12 @@
 """`infer run --mem-budget B` inside a memory cgroup of B bytes, and llama.cpp in the same cap.
 
-    scripts/bench_cgroup.py --model PREP [--budgets min,0.25x,0.5x,979M,1x] [--runs 3]
+    scripts/bench/bench_cgroup.py --model PREP [--budgets min,0.25x,0.5x,979M,1x] [--runs 3]
         [--max-tokens 32] [--prompt TEXT] [--dtype float32]
         [--gguf MODEL.gguf --llama-bench BIN [--llama-caps 0.25x,0.5x] [--threads 2]]
         [--json OUT]
 
 Each run is a fresh nested memory cgroup of exactly the budget (cgroup v1 or
-v2, ``tests/cgroup.py``) holding the whole process tree: ``infer run`` with a
+v2, ``shared/cgroup.py``) holding the whole process tree: ``infer run`` with a
 fresh run dir (so it starts its private daemon, whose arena is charged
 there), MLX's buffers, and the page cache it causes. Before each run the
 model's files are dropped from the page cache (``posix_fadvise``), so a run
@@ -31,8 +31,8 @@ with its range.
 Build the benchmark's model (hidden 1024, 24 layers × 64 experts of 512,
 top-8: a 1.4 GB 4-bit prep folder) and its GGUF:
 
-    scripts/bench_cgroup.py --make-model /tmp/i15          # i15/hf, i15/prep
-    python scripts/convert_gguf.py LLAMA_CPP /tmp/i15/hf --outtype bf16 --outfile /tmp/i15/bf16.gguf
+    scripts/bench/bench_cgroup.py --make-model /tmp/i15          # i15/hf, i15/prep
+    python scripts/bench/convert_gguf.py LLAMA_CPP /tmp/i15/hf --outtype bf16 --outfile /tmp/i15/bf16.gguf
     llama-quantize --pure /tmp/i15/bf16.gguf /tmp/i15/q4_k.gguf Q4_K
 """
 
@@ -46,11 +46,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from shared.units import format_size, parse_size  # noqa: E402
-from tests.cgroup import MemoryCgroup, drop_page_cache, usable  # noqa: E402
+from shared.cgroup import MemoryCgroup, drop_page_cache, usable  # noqa: E402
 
 PROMPT = "The lighthouse keeper counted the ships that passed"
 # the benchmark model of issue 15: the small preset's widths, 24 layers of 64 experts

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Streaming through iod against the resident model, interleaved in one process.
 
-usage: scripts/bench_pair.py PREP [--budget 0.25] [--tokens 96] [--block 4]
+usage: scripts/bench/bench_pair.py PREP [--budget 0.25] [--tokens 96] [--block 4]
                              [--prompt @pycode] [--predict auto|on|off]
                              [--dtype float32|bfloat16|float16] [--json OUT]
 
@@ -32,16 +32,19 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from shared.launch import start_daemon, stop_daemon
+
 from infer.tools import bench
+
 from infer.args import DTYPES, mx_dtype
 from infer.tools.bench_draft import resolve_prompt
 from infer.runtime.budget import staging_arena_bytes
-from infer.runtime.client import IodClient
+from infer.runtime.source import make_source
 from infer.runtime.gate import PredictionGate
 from infer.runtime.loader import cast_model, load_streaming
 from infer.run import encode_prompt
+from infer.tools.resident import load_resident
 from shared.blob import Manifest
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="bench_pair.py", description=__doc__.split("\n\n")[0])
@@ -59,13 +62,13 @@ def main(argv=None):
         p.error("--tokens must hold at least two blocks")
 
     manifest = Manifest.load(args.model)
-    resident, tok = bench.load_resident(args.model)
+    resident, tok = load_resident(args.model)
     dtype = mx_dtype(args.dtype)
     cast_model(resident, dtype)
-    daemon = bench._start_daemon(staging_arena_bytes(manifest, 3), 0.0)
+    daemon = start_daemon(staging_arena_bytes(manifest, 3), 0.0)
     client = None
     try:
-        client = IodClient(args.model, iod=str(daemon[2]))
+        client = make_source(args.model, str(daemon[2]))
         cache_bytes = bench.cache_bytes_of(args.budget, manifest, "none", args.model)
         streamed, _, store = load_streaming(args.model, client, cache_bytes, dtype=dtype)
         store.gate = PredictionGate(args.predict)
@@ -73,7 +76,7 @@ def main(argv=None):
     finally:
         if client is not None:
             client.close()
-        bench._stop_daemon(daemon)
+        stop_daemon(daemon)
     result.update({"model": args.model, "budget": args.budget, "cache_bytes": cache_bytes,
                    "predict": args.predict, "dtype": args.dtype})
     print(f"iod / resident: median {result['ratio_median']:.3f} "
@@ -85,7 +88,6 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0 if result["ids_equal"] else 1
-
 
 def run(args, tok, models, store):
     prompt = encode_prompt(tok, resolve_prompt(args.prompt), True)
@@ -121,7 +123,6 @@ def run(args, tok, models, store):
         "ids_equal": ids["resident"] == ids["iod"],
         "gate": store.gate.stats(),
     }
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,9 +2,9 @@
 # Wheels for the lent H200 (Python 3.12, no network there), in parts of at most
 # 30 MB so each call's payload (the working tree plus one part) stays under the
 # device tool's 64 MiB. Fills .gpu/w1 .gpu/w2 .gpu/w3 (git-ignored).
-#   usage (project root): scripts/gpu/wheels.sh
+#   usage (project root): scripts/bench/gpu/wheels.sh
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 plat="--platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 dl=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \

@@ -1,9 +1,9 @@
 """Cold start: misses of the first tokens with and without a calibrated preload.
 
-    scripts/bench_coldstart.py --model PREP [--tokens 64] [--json OUT]
+    scripts/bench/bench_coldstart.py --model PREP [--tokens 64] [--json OUT]
 
 Calibrates on the first ``--calibration`` tokens of the prep folder's
-heldout.txt (``infer.runtime.coldstart.calibrate``, usage.json written into a copy
+heldout.txt (``infer.prep.calibrate.count_usage``, usage.json written into a copy
 of the folder), then runs ``--stretches`` later stretches of the same text
 (a 32-token prompt, then ``--tokens`` teacher-forced steps) from a cold
 cache at 10/25/50% of the expert bytes, once empty and once preloaded with
@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 FRACTIONS = (0.10, 0.25, 0.50)
 PROMPT = 32
@@ -32,9 +32,9 @@ def run(prep, ids, fraction, tokens, preload):
 
     from infer.runtime import coldstart
     from infer.runtime.loader import load_streaming
-    from iod.inproc import InprocSource
+    from infer.runtime.source import make_source
 
-    source = InprocSource(prep)
+    source = make_source(prep, "inproc")
     try:
         cache_bytes = int(source.manifest.expert_bytes * fraction)
         model, _, store = load_streaming(prep, source, cache_bytes, dtype=mx.float32, preload=False)
@@ -64,13 +64,13 @@ def main(argv=None):
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from infer.runtime import coldstart
+    from infer.prep.calibrate import count_usage
 
     with tempfile.TemporaryDirectory() as tmp:
         prep = Path(tmp) / "prep"
         shutil.copytree(args.model, prep)
         text = (prep / "heldout.txt").read_text()
-        coldstart.calibrate(prep, text, args.calibration)
+        count_usage(prep, text, args.calibration)
         ids = load_tokenizer(prep).encode(text, add_special_tokens=False)
         span = PROMPT + args.tokens
         room = len(ids) - args.calibration - span

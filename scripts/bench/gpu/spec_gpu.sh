@@ -2,7 +2,7 @@
 # Speculative decoding on the lent GPU (MLX CUDA): the figures of
 # docs/speculative.md, in one invocation (~5-6 minutes of device time).
 #
-# usage: scripts/spec_gpu.sh PREP OUT
+# usage: scripts/bench/gpu/spec_gpu.sh PREP OUT
 #   PREP  prep folder of the benchmark-scale trained qwen3_next (with its MTP
 #         head: mtp.safetensors and the head's expert blob)
 #   OUT   folder for the results (created): one JSON per step, spec_gpu.log
@@ -33,7 +33,7 @@ if [ $# -ne 2 ]; then
 fi
 PREP=$(cd "$1" && pwd) || { echo "$0: no folder $1" >&2; exit 2; }
 OUT=$2
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 PY=${PYTHON:-python3}
 RUNS=${RUNS:-2}
 RUNS_STREAMED=${RUNS_STREAMED:-1}

@@ -1,6 +1,6 @@
 """Peak memory of `infer run --mem-budget` (infer + its private iod) against the budget.
 
-    scripts/bench_budget.py --model PREP --budgets 800M,1G,1.5G [--max-tokens 32] [--json OUT]
+    scripts/bench/bench_budget.py --model PREP --budgets 800M,1G,1.5G [--max-tokens 32] [--json OUT]
 
 Each budget runs `infer run` in a fresh run dir (so it starts a private
 daemon) while /proc is sampled every 10 ms: the session's anonymous and file
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from infer.tools.bench import proc_status  # noqa: E402
 from shared.units import format_size, parse_size  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Whether streamed decoding computes the resident model's logits bit for bit.
 
-usage: scripts/stream_bits.py PREP BUDGET TOKENS [PROMPT]
+usage: scripts/bench/stream_bits.py PREP BUDGET TOKENS [PROMPT]
 
 The resident model decodes TOKENS greedy tokens from PROMPT (default @code)
 one token a step; the streamed model (an in-process source, the budget's
@@ -17,9 +17,10 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from iod.inproc import InprocSource
+from infer.runtime.source import make_source
 from infer.tools import bench_draft as bd
-from infer.tools.bench import cache_bytes_of, load_resident, reset_store
+from infer.tools.bench import cache_bytes_of
+from infer.tools.resident import load_resident
 from infer.runtime.gate import PredictionGate
 from infer.runtime.loader import load_streaming
 from infer.run import encode_prompt
@@ -66,11 +67,11 @@ def main(argv):
     print("device", mx.default_device(), "prompt", len(ids), "tokens", TOKENS)
     manifest = Manifest.load(prep)
     model, _, store = load_streaming(prep, None, cache_bytes_of(budget, manifest))
-    store.gate = PredictionGate("on")  # depth 3 predicts on every call (kept by reset_store)
+    store.gate = PredictionGate("on")  # depth 3 predicts on every call (kept by store.reset)
     for hits_first, depth, pipelined in ((True, 0, False), (True, 3, False), (False, 0, False),
                                          (False, 3, False), (True, 3, True), (False, 0, True)):
-        store.source = InprocSource(prep, arena=256 << 20, workers=1)
-        reset_store(store)
+        store.use(make_source(prep, "inproc", arena=256 << 20, workers=1))
+        store.reset()
         store.hits_first, store.depth = hits_first, depth
         _, got = steps(model, ids, ref_ids, pipelined)
         differ = [i for i, (a, b) in enumerate(zip(ref, got)) if not np.array_equal(a, b)]

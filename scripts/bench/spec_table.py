@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Markdown rows of `infer bench --draft` results (docs/speculative.md).
 
-usage: scripts/spec_table.py BENCH.json [...]    (one row per configuration)
-       scripts/spec_table.py --check BENCH.json [...]   (the --draft-check figures)
+usage: scripts/bench/spec_table.py BENCH.json [...]    (one row per configuration)
+       scripts/bench/spec_table.py --check BENCH.json [...]   (the --draft-check figures)
 """
 
 import json

@@ -1,7 +1,7 @@
 """The router's probabilities added to the session cache's eviction score,
 replayed against Belady on recorded router logits.
 
-    scripts/bench_router_score.py --model PREP [--stretches 4] [--span 288] [--logits L.npz]
+    scripts/bench/bench_router_score.py --model PREP [--stretches 4] [--span 288] [--logits L.npz]
 
 Records every MoE layer's router logits over teacher-forced stretches of
 ``heldout.txt`` (the resident model, one forward a stretch), then replays
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from infer.tools.belady import FreqDecayRank, belady_layer  # noqa: E402
 
@@ -71,7 +71,7 @@ def record(model_dir, stretches, span):
     import mlx.core as mx
     import mlx.nn as nn
 
-    from infer.tools.bench import load_resident
+    from infer.tools.resident import load_resident
     from infer.runtime.loader import cast_model
 
     model, tok = load_resident(model_dir)[:2]

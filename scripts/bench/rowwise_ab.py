@@ -3,7 +3,7 @@
 against attention row by row, and both against plain decoding, interleaved
 in one process.
 
-usage: scripts/rowwise_ab.py PREP PROMPT KS REPS TOKENS OUT.json [DTYPE]
+usage: scripts/bench/rowwise_ab.py PREP PROMPT KS REPS TOKENS OUT.json [DTYPE]
 
 The resident model (DTYPE, default float32; the folder's own with "model")
 generates TOKENS greedy tokens REPS + 1 times per configuration: plain
@@ -23,7 +23,7 @@ import sys
 import mlx.core as mx
 from infer.tools import bench_draft as bd
 from infer.spec import rowwise
-from infer.tools.bench import load_resident
+from infer.tools.resident import load_resident
 from infer.runtime.loader import cast_model
 from infer.run import encode_prompt
 from infer.spec.decoder import speculative_generate

@@ -1,6 +1,6 @@
 """llama.cpp's convert_hf_to_gguf.py for `infer synth --layout hf` folders.
 
-    python scripts/convert_gguf.py LLAMA_CPP_DIR HF_FOLDER --outtype bf16 --outfile OUT.gguf
+    python scripts/bench/convert_gguf.py LLAMA_CPP_DIR HF_FOLDER --outtype bf16 --outfile OUT.gguf
 
 The synthetic tokenizer is a byte-level BPE with GPT-2's split regex, which
 the converter does not know by its hash: it is named "gpt-2" here (the same

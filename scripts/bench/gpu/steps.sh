@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One step of a visit to the lent H200 (see docs/benchmarks.md, "GPU"):
-#   scripts/gpu/visit.sh setup|unpack|synth|warm|pair|wholeprobe|q30|bench14 [budgets...]|probe|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split|syncprobe|probecopy
+# One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 export PYTHONPATH=/tmp/site:$PWD MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/root/ptx} PYTHONUNBUFFERED=1
 export IOD_DISK_PROFILE=${IOD_DISK_PROFILE:-/root/disk.json}
 W=${W:-/root/w}
@@ -22,7 +22,7 @@ log() { pack; echo "== $(date +%T) $*"; }
 
 case "$1" in
 setup)
-  bash scripts/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt"
+  bash scripts/bench/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt"
   # kernels compiled on an earlier visit (ptx.tgz from `split`), carried as .gpu/ptx
   if [ -f .gpu/ptx/ptx.tgz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf .gpu/ptx/ptx.tgz -C "$MLX_PTX_CACHE_DIR"; fi ;;
 unpack)  # a prep folder shipped from here as .gpu/m/partNN (tar | gzip -1 | split -b 50000000), one part
@@ -43,17 +43,14 @@ synth)  # a random-weight model of the trained benchmark's shape (small preset),
   cal="--calibrate $W/calibrate.txt"; [ "${CALIBRATE:-1}" = 0 ] && cal=  # CALIBRATE=0: no usage.json
   log prep; time infer prep --model "$W/s-src" --out "$W/p-synth" $cal --force 2>&1 | tail -1
   rm -rf "$W/s-src" ;;
-pair)  # iod against resident interleaved in one process (scripts/bench_pair.py), as stored (bfloat16),
+pair)  # iod against resident interleaved in one process (scripts/bench/bench_pair.py), as stored (bfloat16),
   # at each of BUDGETS; graphs off at a partial budget, as `infer bench` runs a streamed session
   for b in ${BUDGETS:-1.0 0.25}; do
     g=0; [ "$b" = 1.0 ] && g=1
     log "pair $b graphs $g"
-    MLX_USE_CUDA_GRAPHS=$g timeout ${BENCH_S:-200} python3 scripts/bench_pair.py "$W/p-${ARCH:-qwen3_next}" \
+    MLX_USE_CUDA_GRAPHS=$g timeout ${BENCH_S:-200} python3 scripts/bench/bench_pair.py "$W/p-${ARCH:-qwen3_next}" \
       --budget "$b" --dtype bfloat16 --tokens ${TOKENS:-96} --block ${BLOCK:-8} --json "$OUT/pair-$b.json" 2>&1 | tail -1
   done ;;
-wholeprobe)  # whole layers at 1.0 against resident, stacks as filled and as device copies (scripts/gpu/whole_probe.py)
-  timeout ${BENCH_S:-200} python3 scripts/gpu/whole_probe.py "$W/p-${ARCH:-qwen3_next}" --tokens ${TOKENS:-96} \
-    --block ${BLOCK:-8} --json "$OUT/whole-probe.json" 2>&1 | tail -3 ;;
 q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm kernels
   log synth; time infer synth --arch qwen3_moe --preset "${PRESET:-qwen3-30b-a3b}" --dtype "${DTYPE:-bfloat16}" --out "$W/q30-src" --force | tail -2
   log prep; time infer prep --model "$W/q30-src" --out "$W/q30" --force | tail -2
@@ -71,17 +68,10 @@ bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at
     timeout ${BENCH_S:-170} python3 -m infer.tools.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
       $flags --json "$OUT/bench14-$b.json" 2>&1 | tail -8
   done ;;
-probe)  # the trainer's step per MoE kernel (scripts/gpu/train_probe.py), small preset
-  timeout ${PROBE_S:-330} python3 scripts/gpu/train_probe.py --preset small --steps ${STEPS:-5} --json /root/probe.json \
-    ${VARIANTS:-qwen3_moe:gather+compile qwen3_next:gather+compile qwen3_moe:gather qwen3_next:gather qwen3_moe:grouped}
-  cp /root/probe.json "$OUT/" ;;
-train)  # issue 13: both architectures at the small preset, side by side, with the probe's best kernels
+train)  # issue 13: both architectures at the small preset, side by side
   M=${MINUTES:-7.5}
   for arch in ${ARCHS:-qwen3_moe qwen3_next}; do
-    # the probe's best kernels, else TRAIN_FLAGS (a visit may skip the probe)
-    flags=$(python3 -c "import json; b=json.load(open('/root/probe.json'))['best'].get('$arch', {}); \
-print(('--experts ' + b['experts'] if b else '') + (' --compile' if b.get('compile') else ''))" 2>/dev/null \
-      || echo "${TRAIN_FLAGS:-}")
+    flags="${TRAIN_FLAGS:-}"
     # the preset's 16 sequences a step need the H200's memory: an H100 (80 GB) runs out at the first step
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
     case " $flags " in *" --batch "*) ;; *) [ "${mem:-0}" -lt 100000 ] && flags="$flags --batch 8" ;; esac
@@ -136,7 +126,7 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
     --modes iod --budget 0.25 $S --draft ngram --num-draft ${NGRAM_KS:-2,4} --prompt @code \
     --json "$OUT/spec-ngram-${NGRAM_ARCH:-qwen3_next}-25.json" 2>&1 | tail -12; }
   # attention in one call where the probe allows it, against row by row, against plain (resident)
-  want rowab && { log rowab; timeout ${SPEC_S:-150} python3 scripts/rowwise_ab.py "$W/p-${NGRAM_ARCH:-qwen3_next}" @code \
+  want rowab && { log rowab; timeout ${SPEC_S:-150} python3 scripts/bench/rowwise_ab.py "$W/p-${NGRAM_ARCH:-qwen3_next}" @code \
     ${NGRAM_KS:-2,4} ${REPS:-4} 64 "$OUT/rowwise-ab.json" model; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
@@ -228,9 +218,4 @@ split)  # the profile's split of a decode token, and the per-layer cost in bench
     --runs 2 --max-tokens 32 --json "$OUT/bench-small.json" 2>&1 | tail -3; }
   log "kernels"
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
-syncprobe)  # what a streamed token's per-layer syncs cost by themselves (scripts/gpu/sync_probe.py)
-  log sync; timeout ${PROBE_S:-150} python3 scripts/gpu/sync_probe.py "$W/p-${ARCH:-qwen3_next}" \
-    --tokens ${TOKENS:-96} --json "$OUT/sync-${ARCH:-qwen3_next}.json" | tail -14 ;;
-probecopy)  # the CUDA copies and the kernels of small verify passes, apart (scripts/gpu/copy_probe.py)
-  log copy; timeout ${PROBE_S:-150} python3 -X faulthandler scripts/gpu/copy_probe.py --json "$OUT/copy.json" | tail -60 ;;
 esac

@@ -4,7 +4,7 @@ budget B, in the IO-bound regime (a daemon whose reads are capped by
 `--ranks 2`, and prints decode tok/s and expert bytes read per token (median,
 min-max), their ratios, and the activations sent between ranks per token.
 
-    python scripts/bench_ranks.py --model PREP --read-rate 0.3 --cache-fraction 0.35
+    python scripts/bench/bench_ranks.py --model PREP --read-rate 0.3 --cache-fraction 0.35
 
 Each run gets a fresh daemon (cold, with a small --arena so that its staging
 arena does not cache the model): the two ranks share it and its read rate (one

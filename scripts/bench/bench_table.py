@@ -1,6 +1,6 @@
 """Markdown table of an `infer bench --json` report (for docs/benchmarks.md).
 
-    scripts/bench_table.py REPORT.json
+    scripts/bench/bench_table.py REPORT.json
 """
 
 import json

@@ -1,6 +1,6 @@
 """Two tiers: what the session cache and the daemon's arena hold, and who serves a miss.
 
-    scripts/bench_tiers.py --model PREP [--tokens 128] [--arena SIZE] [--json OUT]
+    scripts/bench/bench_tiers.py --model PREP [--tokens 128] [--arena SIZE] [--json OUT]
 
 Runs a prompt from heldout.txt and ``--tokens`` teacher-forced steps with
 prediction on (depth 2) through the daemon's core in this process, its arena
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 FRACTIONS = (0.10, 0.25, 0.50)
 PROMPT = 32
@@ -28,9 +28,9 @@ def run(prep, ids, fraction, tokens, arena):
     from mlx_lm.models.cache import make_prompt_cache
 
     from infer.runtime.loader import load_streaming
-    from iod.inproc import InprocSource
+    from infer.runtime.source import make_source
 
-    source = InprocSource(prep, arena=arena)
+    source = make_source(prep, "inproc", arena=arena)
     try:
         cache_bytes = int(source.manifest.expert_bytes * fraction)
         model, _, store = load_streaming(prep, source, cache_bytes, dtype=mx.float32, preload=False)

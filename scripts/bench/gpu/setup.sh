@@ -3,7 +3,7 @@
 # first calls (/root/stash) plus .gpu/w3, installed into /tmp/site; the native
 # extension built in place. Then: export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 cp .gpu/w3/mlxcuda.part02 /root/stash/
 name=$(cat .gpu/w3/mlxcuda.name)
 cat /root/stash/mlxcuda.part00 /root/stash/mlxcuda.part01 /root/stash/mlxcuda.part02 > "/tmp/$name"
