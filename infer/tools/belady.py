@@ -201,19 +201,22 @@ class FreqDecayRank(FreqDecay):
     only while it scores at least as high as the victim it would replace; the
     rest run from a temporary stack. A call that needs more experts than the
     stack holds therefore keeps the ones used most, not the first by id.
-    ``admit_all``: without that admission test (placed best-scored first
-    still, over any victim outside the call)."""
+    ``admit``: when that admission test applies: "rank" (the rule: always),
+    "all" (never: every miss placed, best-scored first, over any victim
+    outside the call), "fit" (only for a call of more experts than the
+    stack holds)."""
 
-    def __init__(self, capacity, half_life=16.0, admit_all=False):
+    def __init__(self, capacity, half_life=16.0, admit="rank"):
         super().__init__(capacity, half_life)
-        self.admit_all = admit_all
+        self.admit = admit
 
     def request(self, req):
         missing = self._count(req)
+        test = self.admit == "rank" or (self.admit == "fit" and len(req) > self.capacity)
         for e in sorted(missing, key=lambda e: (-self._rank(e), e)):
             if len(self.cached) >= self.capacity:
                 v = self.victim(req)
-                if v is None or (not self.admit_all and self._rank(v) > self._rank(e)):
+                if v is None or (test and self._rank(v) > self._rank(e)):
                     continue  # used once from a temporary stack
                 del self.cached[v]
             self.on_insert(e)
@@ -295,10 +298,12 @@ POLICIES = {
     "arc": ARC,
     "decay16+rank": lambda c: FreqDecayRank(c, 16.0),
     "decay32+rank": lambda c: FreqDecayRank(c, 32.0),
-    # the rank order without the admission test
-    "decay16+order": lambda c: FreqDecayRank(c, 16.0, admit_all=True),
-    "decay32+order": lambda c: FreqDecayRank(c, 32.0, admit_all=True),
-    "decay64+order": lambda c: FreqDecayRank(c, 64.0, admit_all=True),
+    # the rank order without the admission test, and with it only for calls
+    # wider than the stack
+    "decay16+order": lambda c: FreqDecayRank(c, 16.0, admit="all"),
+    "decay32+order": lambda c: FreqDecayRank(c, 32.0, admit="all"),
+    "decay16+fit": lambda c: FreqDecayRank(c, 16.0, admit="fit"),
+    "decay32+fit": lambda c: FreqDecayRank(c, 32.0, admit="fit"),
 }
 
 
