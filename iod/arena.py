@@ -311,9 +311,22 @@ class Arena:
 
     def give_row(self, row: int) -> None:
         """A session ended: its pins and reference bytes go."""
+        native.store_u64(self.pins_buf, self.pin_layout.owner(row), 0)
         self._pins[row, :] = 0
         self._refs[row, :] = 0
         self.free_rows.append(row)
+
+    def own_row(self, row: int, session_id: int) -> None:
+        """The owner word a session checks around each copy."""
+        native.store_u64(self.pins_buf, self.pin_layout.owner(row), session_id)
+
+    def revoke_row(self, row: int) -> None:
+        """Take a row's pins back; the session keeps the row (its late unpins
+        land there, harmlessly). The owner word goes first: a session that
+        sees its own after a copy knows its pins held throughout."""
+        native.store_u64(self.pins_buf, self.pin_layout.owner(row), 0)
+        self._pins[row, :] = 0
+        self._refs[row, :] = 0
 
     def pin_for(self, row: int, s: Slot) -> None:
         """One pin of ``s`` in a session's row (a granted demand)."""

@@ -19,6 +19,7 @@ from .argtypes import count, number
 
 MB_RATE = number("a finite number of MB/s, or 0 for no cap")
 SECONDS = number("seconds, 0 or more", finite=False)
+PIN_SECONDS = number("seconds, more than 0 (inf: never)", positive=True, finite=False)
 
 KILL_WAIT_S = 5.0  # after SIGKILL: the kernel ends even a stopped process at once
 DRAIN_POLL_S = 1.0  # how often `iod stop --drain` asks which sessions are left
@@ -94,6 +95,10 @@ def _parser():
     st.add_argument("--max-connections", type=count(1), default=1024,
                     help="peers connected at once; more are refused at the handshake")
     st.add_argument("--max-queued", type=count(1), default=8192, help="records queued per session")
+    st.add_argument("--pin-timeout", type=PIN_SECONDS, default=5.0, metavar="S",
+                    help="a session holding more than its share of the arena that says nothing "
+                         "for S seconds while another waits for a slot loses its pins (a stopped "
+                         "process); it gets PINS_EXPIRED, never wrong bytes")
     st.add_argument("--no-prefault", action="store_true",
                     help="do not map the arena's pages in the background at start (they fault "
                          "in on first use; the memory is committed either way)")
@@ -176,7 +181,7 @@ def start_foreground(args, sock: Path) -> int:
         cfg = Config(arena_size=args.arena, slot_size=args.slot_size,
                      workers=args.workers if args.workers > 0 else disk.workers(),
                      max_sessions=args.max_sessions,
-                     max_queued=args.max_queued)
+                     max_queued=args.max_queued, pin_timeout_s=args.pin_timeout)
         daemon = Shell(cfg, sock, hashers=max(args.hashers, 0), read_rate=args.read_rate * 1e6,
                        faults=os.environ.get("IOD_FAULTS", ""), prefault=not args.no_prefault,
                        parent_fd=args.parent_fd, max_connections=args.max_connections)
@@ -245,7 +250,7 @@ def start_options(args) -> list:
             "--hashers", str(args.hashers),
             "--read-rate", str(args.read_rate), "--max-sessions", str(args.max_sessions),
             "--max-connections", str(args.max_connections),
-            "--max-queued", str(args.max_queued)]
+            "--max-queued", str(args.max_queued), "--pin-timeout", str(args.pin_timeout)]
     if args.slot_size:
         opts += ["--slot-size", str(args.slot_size)]
     if args.no_prefault:

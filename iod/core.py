@@ -44,6 +44,9 @@ class Config:
     max_queued: int = 8192  # per session: records it awaits
     max_prefetch: int = 1024  # per session: queued prefetches
     max_models: int = 16
+    # a session holding more than its share that says nothing and is granted
+    # nothing for this long, while a read waits for a slot, loses its pins
+    pin_timeout_s: float = 5.0
 
 
 class Failure(Exception):
@@ -98,6 +101,8 @@ class Session:
         self.profile = profile
         self.pidfd = None  # the shell's
         self.claims = 0  # records this session awaits
+        self.contact = 0  # clock of its last request, or of our last grant to it
+        self.expired = False  # its pins were taken back; it keeps its row until it ends
         self.waiters = set()
         self.now = 0  # the session's layer call number, from its last message
         self.requests = self.demands = self.hits = self.misses = self.bytes = 0
@@ -149,6 +154,7 @@ class Core:
         self.blocked = False  # a read waits for a slot: retry soon
         self.next_sid = 1
         self.next_mid = 1
+        self.n_expired = 0  # sessions whose pins were taken back (they have no share)
         self.stopping = None
         self.draining = False
         self.info = {}  # the host's own figures for STATS (socket, read rate, ...)
@@ -156,7 +162,7 @@ class Core:
         self.c = dict.fromkeys(
             ("requests", "demands", "prefetches", "hits", "misses", "reads", "bytes_read",
              "prefetch_reads", "read_errors", "checksum_errors", "retries", "internal_errors",
-             "bad_messages", "refused_peers", "short_grants"), 0)
+             "bad_messages", "refused_peers", "short_grants", "pins_expired"), 0)
         self.busy_ns = 0
         self.busy_since = 0
         self.lat = {k: Latency() for k in ("hit", "miss", "queue_wait", "read")}
@@ -206,11 +212,17 @@ class Core:
 
     # ---- sessions ----------------------------------------------------------------------
 
-    def _session(self, ident, model_id=None) -> Session:
+    def _session(self, ident, model_id=None, expired_ok=False) -> Session:
         s = self.by_ident.get(ident)
         if s is None:
             raise Failure(E.NO_SESSION, "no session: send HELLO first")
         s.requests += 1
+        s.contact = self.clock()
+        if s.expired and not expired_ok:
+            raise Failure(E.PINS_EXPIRED, f"session {s.id}'s pins were taken back: it held more "
+                          f"than its share of the arena and said nothing for "
+                          f"{self.cfg.pin_timeout_s:g} s while other sessions waited for a slot; "
+                          f"say HELLO again to go on")
         if model_id is not None and model_id != s.model.id:
             raise Failure(E.BAD_MODEL, f"model_id {model_id} is not this session's ({s.model.id})")
         return s
@@ -218,7 +230,7 @@ class Core:
     def share(self, sessions=None) -> int:
         """Slots each session may pin or await: an equal share, so sessions
         that all hold theirs while waiting for more still fit (no deadlock)."""
-        n = len(self.sessions) if sessions is None else sessions
+        n = len(self.sessions) - self.n_expired if sessions is None else sessions
         return self.arena.slot_count // max(n, 1)
 
     def on_hello(self, ident, m: P.Hello, peer_pid, received):
@@ -249,17 +261,20 @@ class Core:
                                   self.cfg.max_sessions)
             except ValueError as e:
                 raise Failure(E.BAD_MODEL, str(e))
-        share = self.share(others + 1)
+        active = len(self.sessions) - self.n_expired - (prior is not None and not prior.expired)
+        share = self.share(active + 1)
         need = max(m.working_set, 1)
         if share < need:
             raise Failure(E.TOO_MANY_SESSIONS,
-                          f"an arena of {self.arena.slot_count} slots gives each of {others + 1} "
+                          f"an arena of {self.arena.slot_count} slots gives each of {active + 1} "
                           f"sessions {share}, fewer than the {need} one layer call needs; "
                           f"a larger --arena allows more sessions")
         if prior is not None:
             self.end_session(prior, "HELLO again")
         row = self.arena.take_row()
         s = Session(self.next_sid, ident, m.pid, model, row, need, m.profile)
+        s.contact = self.clock()
+        self.arena.own_row(row, s.id)
         self.next_sid += 1
         self.sessions[s.id] = s
         self.by_ident[ident] = s
@@ -331,12 +346,14 @@ class Core:
         return False
 
     def on_stats(self, ident, m: P.Stats, peer_pid, received):
-        if ident in self.by_ident:
-            self.by_ident[ident].requests += 1
+        s = self.by_ident.get(ident)
+        if s is not None:
+            s.requests += 1
+            s.contact = self.clock()
         self.send(ident, P.StatsOk(m.req_id, self.stats()))
 
     def on_bye(self, ident, m: P.Bye, peer_pid, received):
-        s = self._session(ident)
+        s = self._session(ident, expired_ok=True)
         self.send(ident, P.Ok(m.req_id, self.arena.held(s.row)))
         self.end_session(s, "BYE")
 
@@ -351,6 +368,7 @@ class Core:
         self.sched.forget(s.id)
         self.arena.give_row(s.row)
         s.model.sessions -= 1
+        self.n_expired -= s.expired
 
     # ---- prefetch and demand -----------------------------------------------------------
 
@@ -439,6 +457,7 @@ class Core:
             st[4] = sent
         self.lat["miss" if w.read else "hit"].add(sent - w.received)
         w.session.waiters.discard(w)
+        w.session.contact = sent  # its pins' deadline runs from the grant
         self.send(w.session.ident, P.DemandOk(w.req_id, w.layer, w.refs, w.stamps))
 
     # ---- reads -------------------------------------------------------------------------
@@ -538,9 +557,39 @@ class Core:
     # ---- time, stats and shutdown ------------------------------------------------------
 
     def tick(self):
-        """Once per loop turn of the host: the heartbeat sessions watch."""
+        """Once per loop turn of the host: the heartbeat sessions watch, and
+        pins past their deadline while a read waits for a slot."""
         if self.arena.laid_out:
             self.arena.beat()
+            if self.blocked:
+                self.expire_pins()
+
+    def expire_pins(self):
+        """Shares sum to the arena, so a session within its share blocks
+        nobody; one holding more (pinned while there were fewer sessions)
+        that awaits nothing, has sent nothing and was granted nothing for
+        ``pin_timeout_s`` has stopped reading (a stopped process, a bug): its
+        pins are taken back, so the reads behind them go on. It keeps its row
+        (cleared, its owner word zeroed first, which the session checks
+        around each copy) until it ends; its requests get PINS_EXPIRED."""
+        limit = self.cfg.pin_timeout_s * 1e9
+        now = self.clock()
+        share = self.share()
+        for s in self.sessions.values():
+            if s.waiters or now - s.contact < limit:
+                continue
+            held = self.arena.held(s.row)
+            if held <= (0 if s.expired else share):
+                continue
+            if not s.expired:
+                s.expired = True
+                self.n_expired += 1
+                self.c["pins_expired"] += 1
+                print(f"iod: session {s.id} (pid {s.pid}) held {held} slots, more than its share "
+                      f"of {share}, and said nothing for {self.cfg.pin_timeout_s:g} s while a read "
+                      f"waited for a slot: its pins are taken back", file=sys.stderr, flush=True)
+            self.sched.forget(s.id)
+            self.arena.revoke_row(s.row)
 
     def stats(self) -> dict:
         a = self.arena
@@ -552,18 +601,20 @@ class Core:
         c["promoted"] = self.sched.promoted
         c["prefetches_dropped"] = self.sched.dropped
         pins = a.snapshot() if a.laid_out else None
+        pin_timeout = self.cfg.pin_timeout_s
         return {
             "pid": os.getpid(),
             "version": P.PROTOCOL_VERSION,
             "uptime_s": round(time.time() - self.started, 3),
             "workers": self.cfg.workers,
+            "pin_timeout_s": pin_timeout if pin_timeout < float("inf") else None,  # JSON has no inf
             "share": self.share() if a.laid_out else 0,
             "draining": self.draining,
             "arena": {"name": a.name or "", "bytes": a.size, "slot_size": a.slot_size,
                       "slot_count": a.slot_count, "slots": a.counts(pins) if a.laid_out else {},
                       "prefaulted": a.prefaulted},
             "sessions": [
-                {"id": s.id, "pid": s.pid, "model": s.model.id,
+                {"id": s.id, "pid": s.pid, "model": s.model.id, "expired": s.expired,
                  "pins": a.held(s.row, pins), "awaiting": s.claims, "requests": s.requests,
                  "demands": s.demands, "hits": s.hits, "misses": s.misses, "bytes": s.bytes}
                 for s in self.sessions.values()],

@@ -60,6 +60,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 16
     QUEUE_FULL = 17
     MODEL_CHANGED = 18
+    PINS_EXPIRED = 19  # the session held more than its share, silent, while others waited
 
 
 @dataclass(frozen=True)

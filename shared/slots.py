@@ -11,7 +11,10 @@ Arena (one POSIX shm segment, written by the daemon, mapped read-only by session
 Slot data starts on 4096-byte boundaries, so O_DIRECT reads land in place.
 
 Pin table (a second segment, mapped read-write by sessions): one row per
-session, ``slot_count`` u32 pin counts then ``slot_count`` reference bytes.
+session, ``slot_count`` u32 pin counts then ``slot_count`` reference bytes;
+after the rows, one u64 owner word per row: the session id the row serves,
+0 once the daemon took the row's pins back. A session checks its owner word
+before and after each copy: pins taken back cannot have held the bytes.
 
 A ready record is published by writing its slot header, then its generation,
 then its directory word. A session pins it by adding one to its own row's
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from .blob import round_up
 
 ARENA_MAGIC = 0x494F4441  # "IODA"
-ARENA_VERSION = 2
+ARENA_VERSION = 3  # 3: the pin table's owner words
 PAGE = 4096
 SLOT_HEADER_BYTES = 64
 DIR_ENTRIES = 1 << 18  # (layer, expert) words of every open model, 1 MiB
@@ -106,13 +109,16 @@ class PinLayout:
 
     @property
     def nbytes(self) -> int:
-        return max(self.row_bytes * self.rows, PAGE)
+        return max(round_up(self.row_bytes * self.rows + 8 * self.rows, 64), PAGE)
 
     def pins(self, row: int) -> int:
         return self.row_bytes * row
 
     def refs(self, row: int) -> int:
         return self.row_bytes * row + 4 * self.slot_count
+
+    def owner(self, row: int) -> int:
+        return self.row_bytes * self.rows + 8 * row
 
 # ---- an arena's size bounds (`iod start --arena`, and `infer bench --arena` before it starts one)
 

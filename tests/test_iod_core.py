@@ -71,8 +71,9 @@ class Harness:
         size = S.Layout(stride, slots).nbytes
         self.arena = Arena(None, size, anonymous=True)
         self.reader = FakeReader()
+        self.now = 0  # the core's clock (ns), moved by the test
         self.core = Core(Config(arena_size=size, workers=workers, **cfg), self.arena, self.reader,
-                         Faults())
+                         Faults(), clock=lambda: self.now)
         self.req = 0
 
     def call(self, ident, msg_cls, *fields):
@@ -441,3 +442,111 @@ def test_prefetches_fill_at_most_half_the_reads_in_flight(folder):
         h.finish()
     assert [r.expert for r in h.reply(b"a", rid).refs] == [0, 1, 2]
     assert h.core.prefetching == 0 and h.core.c["prefetch_reads"] == 8
+
+
+# ---- pins have a deadline ---------------------------------------------------------------
+
+
+def owner(h, hello):
+    return native.load_u64(h.arena.pins_buf, h.arena.pin_layout.owner(hello.pin_row))
+
+
+def hold_the_arena(h, ident):
+    """``ident`` alone demands every slot and keeps the pins (a share of all)."""
+    hello = h.hello(ident)
+    rid = h.demand(ident, hello.model_id, 0, list(range(h.arena.slot_count)))
+    while h.reader.jobs:
+        h.finish()
+    assert len(h.reply(ident, rid).refs) == h.arena.slot_count
+    return hello
+
+
+def test_a_silent_session_over_its_share_loses_its_pins_at_the_deadline(folder):
+    """One session pinned all 12 slots while alone, then stopped reading; the
+    next one's read waits for a slot until the first has said nothing for
+    pin_timeout_s since its grant, then goes on. The first keeps its (cleared)
+    row, its owner word zeroed; its requests get PINS_EXPIRED; BYE ends it."""
+    h = Harness(folder, slots=12, pin_timeout_s=5.0)
+    a = hold_the_arena(h, b"a")
+    assert owner(h, a) == a.session_id
+    b = h.hello(b"b")
+    assert h.core.share() == 6
+    rid = h.demand(b"b", b.model_id, 1, [0, 1])
+    assert not h.reader.jobs and h.core.blocked  # every slot pinned by a
+    h.now += int(4.9e9)
+    h.core.tick()
+    h.core.pump()
+    assert not h.reader.jobs and h.arena.held(a.pin_row) == 12  # before the deadline: kept
+    h.now += int(0.1e9)
+    h.core.tick()
+    assert h.arena.held(a.pin_row) == 0 and owner(h, a) == 0
+    assert h.core.c["pins_expired"] == 1 and h.core.share() == 12  # a has no share now
+    h.core.pump()
+    while h.reader.jobs:
+        h.finish()
+    assert [r.expert for r in h.reply(b"b", rid).refs] == [0, 1]
+    st = h.core.stats()
+    assert [(x["id"], x["expired"]) for x in st["sessions"]] == [(a.session_id, True),
+                                                                (b.session_id, False)]
+    with pytest.raises(Failure) as e:  # it wakes
+        h.demand(b"a", a.model_id, 2, [0])
+    assert e.value.code == E.PINS_EXPIRED
+    assert "pins were taken back" in str(e.value) and "nothing for 5 s" in str(e.value)
+    h.core.tick()
+    assert h.core.c["pins_expired"] == 1  # counted once
+    rid = h.call(b"a", P.Bye)
+    assert isinstance(h.reply(b"a", rid), P.Ok) and len(h.core.sessions) == 1
+    assert h.hello(b"c").pin_row == a.pin_row and h.core.share() == 6  # its row, clean again
+    h.arena.check()
+
+
+def test_the_deadline_runs_from_the_last_word_and_spares_shares_and_waits(folder):
+    """Only pins beyond the session's share are at stake, only while a read
+    waits for a slot, and a session that talks (any request) or was just
+    granted records keeps them."""
+    h = Harness(folder, slots=12, pin_timeout_s=5.0)
+    a = hold_the_arena(h, b"a")
+    b = h.hello(b"b")
+    h.now += int(100e9)  # long silent, but nobody waits for a slot: kept
+    h.core.tick()
+    assert h.arena.held(a.pin_row) == 12 and not h.core.blocked
+    h.call(b"a", P.Stats)  # a word from it
+    rid = h.demand(b"b", b.model_id, 1, [0])
+    assert h.core.blocked
+    h.now += int(4e9)
+    h.core.tick()
+    assert h.arena.held(a.pin_row) == 12  # 4 s since its last word
+    h.now += int(1e9)
+    h.core.tick()
+    assert h.arena.held(a.pin_row) == 0  # 5 s
+    h.core.pump()
+    h.finish()
+    assert len(h.reply(b"b", rid).refs) == 1
+
+    # within its share: kept however long it is silent
+    h = Harness(folder, slots=12, pin_timeout_s=5.0)
+    a, b = h.hello(b"a"), h.hello(b"b")
+    held = {}
+    for ident, hello, layer in ((b"a", a, 0), (b"b", b, 1)):
+        rid = h.demand(ident, hello.model_id, layer, list(range(6)))
+        while h.reader.jobs:
+            h.finish()
+        held[ident] = h.reply(ident, rid).refs
+    h.prefetch(b"b", b.model_id, 2, [0])
+    assert not h.reader.jobs and h.core.blocked  # every slot pinned, each session at its share
+    h.now += int(1000e9)
+    h.core.tick()
+    assert h.arena.held(a.pin_row) == 6 and h.arena.held(b.pin_row) == 6
+    assert h.core.c["pins_expired"] == 0
+    h.unpin_all(b, held[b"b"][:1])
+    h.core.pump()
+    assert h.reader.keys() == [(b.model_id, 2, 0)]
+
+    # --pin-timeout inf: never
+    h = Harness(folder, slots=12, pin_timeout_s=float("inf"))
+    a = hold_the_arena(h, b"a")
+    b = h.hello(b"b")
+    h.demand(b"b", b.model_id, 1, [0])
+    h.now += int(1e15)
+    h.core.tick()
+    assert h.arena.held(a.pin_row) == 12 and h.core.stats()["pin_timeout_s"] is None

@@ -54,6 +54,16 @@ class DaemonDead(IodError):
     call raises it until ``reconnect()``."""
 
 
+class PinsExpired(IodError):
+    """The daemon took this session's pins back: it held more than its share
+    of the arena and said nothing for the daemon's --pin-timeout while other
+    sessions waited (a stopped process). Nothing copied since is used.
+    Every later call raises it until ``reconnect()``."""
+
+    def __init__(self, message):
+        super().__init__(_error_text(E.PINS_EXPIRED, message, -1, -1), E.PINS_EXPIRED)
+
+
 def _error_text(code, message, layer, expert):
     where = ""
     if layer >= 0 and f"layer {layer}" not in message:
@@ -184,6 +194,9 @@ class IodClient(ExpertSource):
         self.shm_name = ok.shm_name
         self._map(ok)
         self._attach_arena(self._view, self._pins_view, ok, self.manifest)
+        self._owner_off = S.PinLayout(ok.slot_count, ok.pin_rows).owner(ok.pin_row)
+        # slot 0's generation word and data: the checks around each copy
+        self._slot0 = (self.layout.generation(0), self.layout.data(0), self.layout.slot_size)
 
     def _watch(self, pid):
         self._pidfd = None
@@ -280,7 +293,16 @@ class IodClient(ExpertSource):
         """After DaemonDead: attach to a fresh daemon (with iod="auto" the
         shared one, else one it starts; with a socket, one restarted there)
         and say HELLO again, with the manifest hash this session loaded (a
-        changed prep folder is refused: MODEL_CHANGED). DaemonDead if none."""
+        changed prep folder is refused: MODEL_CHANGED). DaemonDead if none.
+        After PinsExpired: BYE, and HELLO again to the same daemon."""
+        if self._dead is None and self._sock is not None and self._expired():
+            self._bye()
+            self._detach()
+            try:
+                return self._attach(self.socket, self.daemon_pid)
+            except IodError as e:
+                self._dead = e if isinstance(e, DaemonDead) else DaemonDead(str(e))
+                raise
         dead, old = self._dead, self.daemon_pid
         self._detach()
         if self._private is not None:
@@ -302,10 +324,7 @@ class IodClient(ExpertSource):
         """BYE, unmap, and stop the private daemon if we started it."""
         atexit.unregister(self._atexit)
         if self._sock is not None and self._dead is None:
-            try:
-                self._call(P.Bye(self._req()), limit=min(self.timeout, 2.0))
-            except IodError:
-                pass
+            self._bye()
         self._detach()
         self._stop_private()
         self._dead = self._dead or DaemonDead("client closed")
@@ -317,16 +336,45 @@ class IodClient(ExpertSource):
         self._next_req += 1
         return r
 
+    def _expired(self) -> bool:
+        """The daemon took this session's pins back (its row's owner word)."""
+        return self._pins_mm is not None and \
+            native.load_u64(self._pins_view, self._owner_off) != self.session_id
+
     def _check(self):
         if self._dead is not None:
             raise self._dead
+        if self._expired():
+            raise PinsExpired(f"session {self.session_id}'s pins were taken back by the daemon "
+                              f"(pid {self.daemon_pid}): it held more than its share of the arena "
+                              f"and said nothing while other sessions waited for a slot (stopped?)")
 
     def _send(self, msg):
-        self._check()
+        if self._dead is not None:  # a session whose pins expired may still say BYE
+            raise self._dead
         try:
             self._sock.send_multipart(codec.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self._die(f"cannot send to iod: {e}")
+
+    def _bye(self):
+        """BYE, its reply awaited at most 2 s, with no other check: a session
+        whose pins expired says it too (its row goes)."""
+        msg = P.Bye(self._req())
+        try:
+            self._send(msg)
+        except IodError:
+            return
+        self._awaiting.add(msg.req_id)
+        end = time.monotonic() + min(self.timeout, 2.0)
+        while msg.req_id not in self._replies and time.monotonic() < end:
+            events = dict(self._poller.poll(50))
+            if self._pidfd is not None and self._pidfd in events:
+                break  # the daemon is gone
+            if self._sock in events:
+                self._drain()
+        self._awaiting.discard(msg.req_id)
+        self._replies.pop(msg.req_id, None)
 
     def _die(self, why):
         self._dead = DaemonDead(f"iod daemon (pid {self.daemon_pid}) is gone: {why}")
@@ -341,6 +389,8 @@ class IodClient(ExpertSource):
         finally:
             self._awaiting.discard(msg.req_id)
         if isinstance(reply, P.Error):
+            if reply.code == E.PINS_EXPIRED:
+                raise PinsExpired(reply.message)
             raise IodError(_error_text(reply.code, reply.message, reply.layer, reply.expert),
                            reply.code, reply.layer, reply.expert)
         return reply
@@ -408,6 +458,31 @@ class IodClient(ExpertSource):
                 self._replies[msg.req_id] = msg  # anything else: a hint's error, a late reply
 
     # ---- ExpertSource ----------------------------------------------------------------
+
+    def fetch_into(self, layer, experts, sink) -> None:
+        super().fetch_into(layer, experts, lambda batch: self._copy_checked(layer, batch, sink))
+
+    def _copy_checked(self, layer, batch, sink):
+        """``sink(batch)``, proven to have read pinned records: our owner word
+        before and after the copy (the daemon zeroes it before it takes pins
+        back), and every slot's generation unchanged across it (a slot
+        evicted and filled again has a new one). Else PinsExpired, and the
+        caller forgets what the sink copied."""
+        gen0, data0, size = self._slot0
+        words = [gen0 + S.SLOT_HEADER_BYTES * ((o - data0) // size) for o in batch.offsets.tolist()]
+        load, arena, pins, owner = native.load_u64, self._arena, self._pins_view, self._owner_off
+        gens = [load(arena, w) for w in words]
+        if load(pins, owner) != self.session_id:
+            self._check()
+        sink(batch)
+        if load(pins, owner) != self.session_id:
+            self._check()
+        after = [load(arena, w) for w in words]
+        if after != gens:
+            i = next(i for i, g in enumerate(gens) if after[i] != g)
+            raise PinsExpired(f"layer {layer} expert {batch.experts[i]}: slot "
+                              f"{(words[i] - gen0) // S.SLOT_HEADER_BYTES} was filled again while "
+                              f"this session copied it")
 
     def _send_prefetch(self, hints, now):
         self._send(P.Prefetch(self._req(), self.model_id, now, hints))
