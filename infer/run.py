@@ -1,5 +1,6 @@
 """`infer run`: generate text with a prep folder's experts streamed through iod."""
 
+import contextlib
 import json
 import os
 import resource
@@ -165,16 +166,51 @@ class Terminated(BaseException):
     run dir."""
 
 
-def _terminate(signum, frame):
-    raise Terminated(signum)
+class _Signals:
+    """SIGINT, SIGTERM and SIGHUP end the run by an exception, except while
+    the run cleans up (``held``): a signal then waits until the cleanup is
+    done. Raised in the middle of the client's close, one left the private
+    daemon's run dir behind."""
+
+    def __init__(self):
+        self.holding = 0
+        self.pending = None
+
+    def __call__(self, signum, frame):
+        if self.holding:
+            self.pending = self.pending or signum
+            return
+        raise _interrupt(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+            if not self.holding and self.pending is not None:
+                signum, self.pending = self.pending, None
+                raise _interrupt(signum)
+
+
+def _interrupt(signum):
+    import signal
+
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+_SIGNALS = _Signals()
 
 
 def _guarded(args) -> int:
     import signal
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_DFL:  # a caller's own handler wins
-            signal.signal(sig, _terminate)
+    caught = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # a caller's own handler wins (and an ignored SIGINT stays ignored)
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            caught[sig] = signal.signal(sig, _SIGNALS)
     try:
         return _main(args)
     except KeyboardInterrupt:
@@ -192,6 +228,9 @@ def _guarded(args) -> int:
     except BrokenPipeError:  # e.g. `infer run ... | head`: stop quietly
         sys.stdout = open(os.devnull, "w")
         return 0
+    finally:
+        for sig, old in caught.items():
+            signal.signal(sig, old)
 
 
 def _main(args) -> int:
@@ -268,7 +307,8 @@ def _main(args) -> int:
         print(f"{_after_text(args)}infer run: {e}", file=sys.stderr)
         return 1
     finally:
-        source.close()
+        with _SIGNALS.held():
+            source.close()
 
     if args.json:
         print(json.dumps({"tokens": tokens, "text": text, "stats": stats}))

@@ -1,0 +1,124 @@
+"""What a new user, or one coming from mlx-lm, meets first: the quickstart's
+hand-over, the dtype and memory defaults, mlx_lm.generate's flags, signals
+at any moment, and run figures that say what they count."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from shared.fixtures import shm_entries, short_dir, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "Write a list of colors: red, green, blue"
+
+
+@pytest.fixture
+def run_dir(monkeypatch):
+    folder = short_dir("iodf-")
+    monkeypatch.setenv("IOD_RUN_DIR", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _daemons_under(folder):
+    """Pids of the iod daemons whose command line names ``folder``."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                cmd = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if str(folder) in cmd and "iod.cli" in cmd:
+                out.append(int(p))
+    return out
+
+
+def _left_behind(run_dir, daemons):
+    """What a run left in its run dir, and the shared memory of its daemons
+    (other tests' daemons have theirs)."""
+    wait_for(lambda: not _daemons_under(run_dir), what="the private daemon gone")
+    return sorted(p.name for p in run_dir.iterdir()), [n for d in daemons for n in shm_entries(d)]
+
+
+# --- signals at any moment ------------------------------------------------------------------
+
+EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+LINE = {signal.SIGINT: "infer run: interrupted", signal.SIGTERM: "infer run: terminated",
+        signal.SIGHUP: "infer run: hung up"}
+
+
+@pytest.mark.parametrize("where", ["close", "stop"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_during_the_cleanup_waits_for_it(prep_model, run_dir, sig, where):
+    """A signal that arrived while the session closed (as the run reached its
+    last token) was raised in the middle of the close: the private daemon's
+    run dir stayed. Sent here at the close's start and just before the run
+    dir goes, twice: the run ends as that signal says, with nothing left."""
+    code = textwrap.dedent(f"""
+        import os, sys
+        from infer.runtime import client
+        from infer import run
+        cls = client.IodClient
+        name = {'close' if where == 'close' else '_stop_private'!r}
+        real = getattr(cls, name)
+        def signalled(self, *a):
+            if self._private is not None or name == "close":
+                print(self.daemon_pid, flush=True)
+                os.kill(os.getpid(), {int(sig)})
+                os.kill(os.getpid(), {int(sig)})
+            return real(self, *a)
+        setattr(cls, name, signalled)
+        sys.exit(run.main(sys.argv[1:]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code, "--model", str(prep_model("qwen3_moe")),
+                        "-p", "hi", "-m", "4", "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == EXIT[sig], r.stderr
+    assert r.stderr.strip().splitlines() == [LINE[sig]], r.stderr
+    daemon = int(r.stdout.split()[0])
+    assert daemon > 0 and _left_behind(run_dir, [daemon]) == ([], [])
+
+
+def test_repeated_signals_at_varied_moments_leave_nothing(prep_model, run_dir):
+    """Ctrl-C, SIGTERM or SIGHUP, twice in a row, from the first token to
+    past the end of the run: whatever the moment, no run dir, daemon or
+    shared memory is left, and the exit says what happened."""
+    prep = str(prep_model("qwen3_moe"))
+    sigs = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    ends = set()
+    for i in range(9):
+        sig = sigs[i % 3]
+        proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "run", "--model", prep, "-p", "hi",
+                                 "-m", "40", "--ignore-chat-template"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=ROOT)
+        try:
+            assert proc.stdout.readline() == "==========\n", proc.stderr.read()
+            daemons = _daemons_under(run_dir)
+            time.sleep(0.06 * i)  # the moments spread over the generation and its end
+            for _ in range(2):
+                try:  # SIGTERM to the process alone, as `timeout` sends it; the others to the group
+                    os.kill(proc.pid, sig) if sig == signal.SIGTERM else os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.02)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = proc.stderr.read()
+        # finished before the signal (0), stopped by it (one line), or hit
+        # as the interpreter exited (the signal's default action)
+        assert rc in (0, EXIT[sig], -sig), (i, rc, err)
+        if rc == EXIT[sig]:
+            assert err.strip().splitlines() == [LINE[sig]], err
+        ends.add(rc)
+        assert len(daemons) == 1 and _left_behind(run_dir, daemons) == ([], []), (i, sig, rc, err)
+    assert ends & set(EXIT.values())  # some signals did stop a generation
