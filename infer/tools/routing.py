@@ -1,4 +1,5 @@
-"""`infer routing`: routing statistics of an MoE model folder over a text.
+"""`infer routing`: routing statistics of an MoE model folder over a text
+(``--trace FILE``: a recorded trace replayed instead, ``infer.tools.replay``).
 
 The text is fed causally with a KV cache, in chunks; the model runs
 unchanged. Per MoE layer: the routed experts of each token (recorded where
@@ -44,7 +45,9 @@ from shared.paths import check_out
 from infer.runtime import predict
 from infer.args import write_atomic
 from infer.runtime.taps import MoELayer, RoutingError, expert_paths, install  # noqa: F401
+from infer.tools import replay
 from infer.tools.belady import LRU, belady_layer
+from infer.tools.replay import DEFAULT_BUDGETS
 
 DEPTHS = (1, 2, 3)
 CACHE_FRACTIONS = (0.03125, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75)
@@ -394,10 +397,23 @@ def fail(msg: str) -> int:
 
 
 def main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="infer routing", description="routing statistics of an MoE model over a text")
-    ap.add_argument("--model", type=Path, help="mlx-lm model folder or prep folder")
+    ap = argparse.ArgumentParser(prog="infer routing", description="routing statistics of an MoE model over a "
+                                 "text, or a recorded routing trace replayed through the session cache")
+    ap.add_argument("--model", type=Path, help="mlx-lm model folder or prep folder (with --trace: a prep "
+                    "folder, whose manifest gives the record size)")
+    ap.add_argument("--trace", type=Path, metavar="FILE",
+                    help="replay this routing trace (route_trace v1 CSV, Mixtral JSONL or an "
+                         "ExpertStore.routing_trace JSON; see infer.tools.replay) instead of routing a text")
+    ap.add_argument("--budgets", metavar="F,F,...",
+                    help=f"with --trace: cache sizes, fractions of all experts (default {DEFAULT_BUDGETS})")
+    ap.add_argument("--policies", metavar="P,P,...",
+                    help=f"with --trace: the policies replayed (default {','.join(replay.POLICIES)}; also "
+                         "infer.tools.belady's rules, e.g. decay32+order)")
+    ap.add_argument("--record-mb", type=float, metavar="MB",
+                    help="with --trace: one expert record's size (default: --model's manifest, else the "
+                         "model's known shape, else the trace's own)")
     ap.add_argument("--text", type=Path, help="UTF-8 text to route (default: the packaged infer/data/corpus.txt)")
-    ap.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="route the first N tokens of the text")
+    ap.add_argument("--tokens", type=int, help=f"route the first N tokens of the text (default {DEFAULT_TOKENS})")
     ap.add_argument("--calibrate", type=Path, metavar="TEXT",
                     help="fit the predictors' calibration on this text first (see infer.runtime.predict)")
     ap.add_argument("--calibration", type=Path, metavar="FILE",
@@ -405,9 +421,22 @@ def main(argv) -> int:
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the full report as JSON")
     ap.add_argument("--plot", type=Path, metavar="PNG", help="plot the hit rates against cache size")
     a = ap.parse_args(argv)
-    if a.model is None:
-        return fail("--model DIR is required")
-    if not (a.model / "config.json").is_file():
+    if a.trace is not None:
+        for flag, v in (("--text", a.text), ("--tokens", a.tokens), ("--calibrate", a.calibrate),
+                        ("--calibration", a.calibration)):
+            if v is not None:
+                return fail(f"{flag} routes a text: not with --trace")
+        a.budgets = DEFAULT_BUDGETS if a.budgets is None else a.budgets
+    else:
+        for flag, v in (("--budgets", a.budgets), ("--policies", a.policies), ("--record-mb", a.record_mb)):
+            if v is not None:
+                return fail(f"{flag} goes with --trace")
+    a.tokens = DEFAULT_TOKENS if a.tokens is None else a.tokens
+    if a.trace is None and a.model is None:
+        return fail("--model DIR or --trace FILE is required")
+    if a.trace is not None and not a.trace.is_file():
+        return fail(f"--trace {a.trace} is not a file")
+    if a.trace is None and not (a.model / "config.json").is_file():
         return fail(f"{a.model} is not a model folder (no config.json)")
     if a.text is not None and not a.text.is_file():
         return fail(f"--text {a.text} is not a file")
@@ -426,6 +455,8 @@ def main(argv) -> int:
 
         if a.plot.suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
             return fail(f"--plot {a.plot}: matplotlib cannot write {a.plot.suffix} files")
+    if a.trace is not None:
+        return replay.main_trace(a, fail, write_atomic)
     from shared.source import SourceError
 
     try:
