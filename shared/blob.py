@@ -14,6 +14,7 @@ bit does.
 import hashlib
 import json
 import os
+import re
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePath
@@ -30,6 +31,14 @@ SEGMENT_ALIGN = 64
 # the largest manifest read (a 512-expert, 94-layer model's is ~2 MiB): a
 # daemon reading a folder a session names never reads without bound
 MANIFEST_MAX_BYTES = 64 << 20
+# A shared daemon parses the manifest a session names inside its loop, so a
+# manifest's cost must be bounded and linear in its size: at most this many
+# values (commas, counted before parsing: every value past the first costs
+# one; ~40 MB of Python objects at most), layers (a blob file opened each)
+# and dimensions per segment shape (real ones have 1 or 2).
+MANIFEST_MAX_VALUES = 1 << 20
+MANIFEST_MAX_LAYERS = 1024
+SHAPE_MAX_DIMS = 8
 
 # dtype name (as MLX spells it) -> numpy dtype of the raw bytes.
 # bfloat16 has no numpy type; its bytes travel as uint16.
@@ -197,6 +206,9 @@ class Manifest:
         partial manifest); ``open_blob`` asks for all of them."""
         if not isinstance(self.model_type, str) or not isinstance(self.layers, list):
             raise ManifestError("malformed manifest: model_type or layers")
+        if len(self.layers) > MANIFEST_MAX_LAYERS:
+            raise ManifestError(f"malformed manifest: {len(self.layers)} layers, more than "
+                                f"{MANIFEST_MAX_LAYERS}")
         seen = set()
         for l in self.layers:
             _check_layer(l)
@@ -212,6 +224,9 @@ class Manifest:
     def load_with_hash(cls, folder) -> Tuple["Manifest", str]:
         """The manifest and its hash, from one read of the file."""
         data = read_manifest_bytes(folder)
+        if data.count(b",") >= MANIFEST_MAX_VALUES:
+            raise ManifestError(f"{Path(folder) / MANIFEST_NAME}: more than "
+                                f"{MANIFEST_MAX_VALUES} values, the most a manifest may have")
         try:
             d = json.loads(data)
         except (ValueError, RecursionError) as e:
@@ -293,8 +308,22 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_HEX64 = re.compile(r"[0-9a-fA-F]{1,16}")
+
+
 def _is_hex64(x) -> bool:
-    return isinstance(x, str) and 0 < len(x) <= 16 and all(c in "0123456789abcdefABCDEF" for c in x)
+    return isinstance(x, str) and _HEX64.fullmatch(x) is not None
+
+
+def _elements(shape, limit: int) -> int:
+    """The product of ``shape``, or ``limit`` + 1 once it passes ``limit``:
+    never a product of big numbers (a 160,000-entry shape took 26 s)."""
+    n = 1
+    for d in shape:
+        n *= d
+        if n > limit:
+            return limit + 1
+    return n
 
 
 def _check_layer(l: LayerLayout) -> None:
@@ -322,12 +351,15 @@ def _check_layer(l: LayerLayout) -> None:
             bad("a segment's projection or tensor is not a name")
         if not isinstance(s.dtype, str) or s.dtype not in NUMPY_DTYPES:
             bad(f"{s.projection}.{s.tensor}: dtype {s.dtype!r} is not one of {', '.join(NUMPY_DTYPES)}")
+        if isinstance(s.shape, list) and len(s.shape) > SHAPE_MAX_DIMS:
+            bad(f"{s.projection}.{s.tensor}: shape of {len(s.shape)} dimensions, more than "
+                f"{SHAPE_MAX_DIMS}")
         if not isinstance(s.shape, list) or not s.shape or \
                 not all(_is_int(n) and 0 < n < 1 << 40 for n in s.shape):
             bad(f"{s.projection}.{s.tensor}: shape {s.shape!r}")
         itemsize = np.dtype(NUMPY_DTYPES[s.dtype]).itemsize
         if not _is_int(s.offset) or not _is_int(s.nbytes) or s.offset < 0 or \
-                s.nbytes != int(np.prod(s.shape, dtype=object)) * itemsize or \
+                s.nbytes != _elements(s.shape, l.record_bytes) * itemsize or \
                 s.offset + s.nbytes > l.record_bytes:
             bad(f"{s.projection}.{s.tensor}: {s.nbytes!r} bytes at {s.offset!r} do not fit "
                 f"its shape and a {l.record_bytes}-byte record")
