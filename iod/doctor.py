@@ -3,7 +3,8 @@
 Cold random reads of one record each, bypassing the page cache (O_DIRECT,
 F_NOCACHE on macOS), from ``depth`` threads at once, for queue depths 1 to
 32: the curve of bytes/s and latency against depth. It is printed, plotted
-(``--plot``) and stored (``shared.disk.profile_path()``), where the daemon
+(``--plot``) and stored (``shared.disk.profile_path()``: under $IOD_RUN_DIR
+when it is set, else the user's), where the daemon
 finds it (its reader threads: the depth that reaches the ceiling) and so do
 sessions (the rate their prefetch plans with).
 
@@ -269,7 +270,9 @@ def main(args) -> int:
           f"{profile.knee}; reads bypass the page cache ({mode})", file=sys.stderr)
     if not args.no_save:
         where = disk.save(profile)
-        print(f"stored in {where}: iod reads with {disk.workers()} threads from its next start",
+        whose = " under this IOD_RUN_DIR" if os.environ.get("IOD_RUN_DIR") and \
+            not os.environ.get("IOD_DISK_PROFILE") else ""
+        print(f"stored in {where}: iod{whose} reads with {disk.workers()} threads from its next start",
               file=sys.stderr)
     if args.plot:
         try:

@@ -1,6 +1,7 @@
 """Disk profiles measured by `iod doctor`: read rate against queue depth, per device.
 
-The profile lives in one JSON file per user (``profile_path``), keyed by the
+The profile lives in one JSON file per user (``profile_path``), or per run
+dir where ``$IOD_RUN_DIR`` gives a daemon one of its own, keyed by the
 device a measured file lies on. The daemon reads with as many reader threads
 as the deepest profiled device needs to reach its ceiling; a session plans
 its prefetch with the rate of the device its model lies on.
@@ -16,9 +17,14 @@ MAX_WORKERS = 32
 
 
 def profile_path() -> Path:
-    """$IOD_DISK_PROFILE, else $XDG_CACHE_HOME/iod/disk.json, else ~/.cache/iod/disk.json."""
+    """$IOD_DISK_PROFILE; else $IOD_RUN_DIR/disk.json, so a run dir's daemon
+    (a test's, one per disk) is set by its own measurement and sets no other
+    daemon's threads; else $XDG_CACHE_HOME/iod/disk.json, else
+    ~/.cache/iod/disk.json."""
     if os.environ.get("IOD_DISK_PROFILE"):
         return Path(os.environ["IOD_DISK_PROFILE"])
+    if os.environ.get("IOD_RUN_DIR"):
+        return Path(os.environ["IOD_RUN_DIR"]) / "disk.json"
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "iod" / "disk.json"
 

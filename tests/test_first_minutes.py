@@ -122,3 +122,37 @@ def test_repeated_signals_at_varied_moments_leave_nothing(prep_model, run_dir):
         ends.add(rc)
         assert len(daemons) == 1 and _left_behind(run_dir, daemons) == ([], []), (i, sig, rc, err)
     assert ends & set(EXIT.values())  # some signals did stop a generation
+
+
+# --- iod doctor under a run dir ---------------------------------------------------------------
+
+def test_doctor_under_a_run_dir_sets_that_run_dirs_daemon_only(tmp_path):
+    """With IOD_RUN_DIR set, the measurement is stored in that run dir and
+    read by its daemon alone: before, it went to ~/.cache/iod/disk.json and
+    set every later daemon's reader threads, whatever disk they read."""
+    from shared import protocol as P
+    from shared.fixtures import LiveDaemon, Raw
+
+    mine, other = short_dir("iodd-"), short_dir("iodd-")
+    env = {k: v for k, v in os.environ.items() if k != "IOD_DISK_PROFILE"}
+    env.update(IOD_RUN_DIR=str(mine), XDG_CACHE_HOME=str(tmp_path / "cache"), HOME=str(tmp_path))
+    try:
+        r = subprocess.run([sys.executable, "-m", "iod.cli", "doctor", "--dir", str(tmp_path),
+                            "--scratch", str(8 << 20), "--record-size", "65536", "--seconds", "0.05",
+                            "--rounds", "1", "--depths", "1,2,3", "--json"],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        knee = json.loads(r.stdout)["knee_depth"]
+        assert (mine / "disk.json").is_file() and not (tmp_path / "cache").exists()
+        assert f"stored in {mine / 'disk.json'}: iod under this IOD_RUN_DIR reads with {knee} threads" \
+            in r.stderr, r.stderr
+        for folder, workers in ((mine, knee), (other, 4)):  # 4: the default, no profile
+            d = LiveDaemon(folder=folder, args=["--arena", "16M"],
+                           env={**env, "IOD_RUN_DIR": str(folder)})
+            try:
+                assert Raw(d.socket).rt(P.Stats(1)).stats["workers"] == workers, folder
+            finally:
+                d.stop()
+    finally:
+        shutil.rmtree(mine, ignore_errors=True)
+        shutil.rmtree(other, ignore_errors=True)
