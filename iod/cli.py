@@ -24,6 +24,9 @@ PIN_SECONDS = number("seconds, more than 0 (inf: never)", positive=True, finite=
 KILL_WAIT_S = 5.0  # after SIGKILL: the kernel ends even a stopped process at once
 DRAIN_POLL_S = 1.0  # how often `iod stop --drain` asks which sessions are left
 MAX_THREADS = 256  # --workers, --hashers: far past any disk's useful queue depth
+# descriptors the daemon needs at the least: ~20 of its own (pipes, libzmq's),
+# one per MoE layer of each open model, a connection and a pidfd per session
+FD_MIN = 64
 
 
 def parse_size(text: str) -> int:
@@ -134,7 +137,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     sock = Path(getattr(args, "socket", None) or paths.socket_path()).absolute()
     if args.cmd == "start":
-        problem = runtime.arena_size_problem(args.arena)
+        problem = runtime.arena_size_problem(args.arena) or fd_limit_problem()
         if problem:  # a usage error: refused before anything is made
             print(f"iod: {problem}", file=sys.stderr)
             return 2
@@ -146,6 +149,18 @@ def main(argv=None) -> int:
     if args.cmd == "doctor":
         return doctor.main(args)
     return status(sock, args.timeout, args.json)
+
+
+def fd_limit_problem():
+    """None when the hard descriptor limit leaves the daemon room (it raises
+    its soft limit to that, never past it), else one line saying why not."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < FD_MIN:
+        return (f"the descriptor limit is {hard} (ulimit -Hn): iod needs at least {FD_MIN} (its "
+                f"own files, a blob file per MoE layer, two per session); raise it")
+    return None
 
 
 def _say(fd, line):

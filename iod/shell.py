@@ -298,7 +298,7 @@ def _raise_fd_limit() -> int:
     more than OPEN_MAX (10240) whatever the hard limit says: then that."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     top = FD_LIMIT_MAX if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT_MAX)
-    for want in (top, 10240):
+    for want in (top, min(top, 10240)):
         if soft >= want:
             break
         try:

@@ -1,13 +1,18 @@
-"""What one request may cost the shared daemon (docs/reliability.md, 8.12),
-performed for real: a HELLO naming a huge manifest (a 160,000-entry shape
-stalled the daemon 26 s) is refused with BAD_MODEL while another session is
-answered.
+"""What one request or one process limit may cost the shared daemon
+(docs/reliability.md, 8.12 and 8.13), performed for real:
+
+- a HELLO naming a huge manifest (a 160,000-entry shape stalled the daemon
+  26 s) is refused with BAD_MODEL while another session is answered;
+- under a hard descriptor limit of 1024, `infer run` (and the private daemon
+  it starts) works; below what the daemon needs, one line and exit 2.
 
 Figures are printed as one JSON line per check (run with -s to see them)."""
 
 import json
 import os
+import resource
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -15,8 +20,9 @@ import pytest
 from infer.runtime.client import IodClient
 from shared import blob
 from shared import protocol as P
-from shared.fixtures import LiveDaemon, Raw, record_bytes
-from tests.test_trust import emit
+from shared.fixtures import PY, LiveDaemon, Raw, record_bytes, short_dir
+from tests.test_run import PROMPT, mlx_greedy_ids
+from tests.test_trust import emit, one_line
 
 E = P.ErrorCode
 STATS_BOUND_S = 5.0  # what another session's STATS may wait while a HELLO is handled
@@ -86,3 +92,49 @@ def test_a_hello_naming_a_huge_manifest_is_refused_and_stalls_nobody(model, tmp_
         hostile.close()
         d.stop()
 
+
+def _nofile(limit):
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+def test_infer_run_under_a_hard_descriptor_limit_of_1024(synth_model, prep_model):
+    """mlx-lm's import asks for a hard limit of 4096; under 1024 that was a
+    ValueError traceback before anything ran. Now the run and its private
+    daemon work within the limit and give mlx-lm's tokens."""
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    n = 16
+    want = mlx_greedy_ids(src, n)
+    p = subprocess.run([PY, "-m", "infer.cli", "run", "--model", str(prep), "--prompt", PROMPT,
+                        "-m", str(n), "--json"], capture_output=True, text=True, timeout=300,
+                       preexec_fn=_nofile(1024))
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["tokens"] == want
+    emit("nofile_1024", {"tokens": n, "rc": p.returncode})
+
+
+def test_a_descriptor_limit_too_low_for_the_daemon_is_one_line_exit_2(prep_model):
+    """Below what the daemon needs (FD_MIN), `iod start` and the private
+    daemon of `infer run` refuse with one line naming the limit."""
+    from iod.cli import FD_MIN
+
+    low = FD_MIN - 16
+    folder = short_dir("iodb-")
+    try:
+        p = subprocess.run([PY, "-m", "iod.cli", "start", "--socket", str(folder / "iod.sock"),
+                            "--arena", "8M"], capture_output=True, text=True, timeout=60,
+                           preexec_fn=_nofile(low))
+        line = (f"the descriptor limit is {low} (ulimit -Hn): iod needs at least {FD_MIN} (its "
+                f"own files, a blob file per MoE layer, two per session); raise it")
+        assert p.returncode == 2 and one_line(p.stderr) == f"iod: {line}", p.stderr
+        assert list(folder.iterdir()) == []  # nothing made
+        p = subprocess.run([PY, "-m", "infer.cli", "run", "--model", str(prep_model("qwen3_moe")),
+                            "--prompt", PROMPT, "-m", "4"], capture_output=True, text=True,
+                           timeout=300, preexec_fn=_nofile(low))
+        assert p.returncode == 2
+        assert one_line(p.stderr) == f"infer run: cannot start a private iod: iod: {line}"
+    finally:
+        if (folder / "iod.lock").exists():  # started after all: stop it
+            subprocess.run([PY, "-m", "iod.cli", "stop", "--socket", str(folder / "iod.sock")],
+                           capture_output=True, timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
