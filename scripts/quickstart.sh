@@ -2,6 +2,7 @@
 # Set everything up from nothing, build a small synthetic MoE model, prep it and
 # generate with its experts streamed through an embedded iod daemon.
 set -euo pipefail
+caller=$PWD
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 ARCH=${ARCH:-qwen3_moe}
@@ -11,14 +12,23 @@ mkdir -p "$WORK"
 src="$WORK/$ARCH-$PRESET"
 dst="$WORK/$ARCH-$PRESET-prep"
 if [ ! -d "$src" ]; then
-    .venv/bin/infer synth --arch "$ARCH" --preset "$PRESET" --dtype float32 --out "$src" 2>/dev/null
+    # quiet unless it fails
+    log=$(.venv/bin/infer synth --arch "$ARCH" --preset "$PRESET" --dtype float32 --out "$src" 2>&1) \
+        || { echo "$log" >&2; exit 1; }
 fi
 if [ ! -d "$dst" ]; then
     out=$(.venv/bin/infer prep --model "$src" --out "$dst" --no-progress)
     echo "${out%%$'\n'*}"
 fi
 echo
-echo "The weights of $src are random: the text below is noise, made the way a real"
-echo "model's would be. For real text, prep a real model (README.md: 'A real model')."
+echo "The weights of $src are random: the text below is noise, made the way a real model's would be."
 echo
 .venv/bin/infer run --model "$dst" --prompt "${PROMPT:-Write a short story about a lighthouse.}" --max-tokens "${MAX_TOKENS:-64}"
+# The commands are in .venv, not on PATH: say how to reach them, in paths
+# that work from where the quickstart was started.
+here() { case "$1" in /*) echo "$1" ;; *) [ "$caller" = "$PWD" ] && echo "$1" || echo "$PWD/$1" ;; esac; }
+echo
+echo "For real text, prep a real model (README.md: 'A real model'). infer and iod are installed"
+echo "in .venv, not on PATH: activate it, and the commands in README.md work:"
+printf '    source %q\n' "$(here .venv/bin/activate)"
+printf '    infer run --model %q -p "Why is the sky blue?"\n' "$(here "$dst")"

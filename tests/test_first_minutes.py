@@ -156,3 +156,33 @@ def test_doctor_under_a_run_dir_sets_that_run_dirs_daemon_only(tmp_path):
     finally:
         shutil.rmtree(mine, ignore_errors=True)
         shutil.rmtree(other, ignore_errors=True)
+
+
+# --- the quickstart's hand-over ---------------------------------------------------------------
+
+def test_the_commands_the_quickstart_and_readme_give_work_as_pasted(tmp_path):
+    """After scripts/quickstart.sh, `infer ...` answered "command not found":
+    the commands live in .venv, and nothing said to activate it. The
+    quickstart's last lines, pasted into a fresh shell started elsewhere
+    (no .venv on PATH), generate; the README says the same before its first
+    `infer` command."""
+    import re
+
+    env = dict(os.environ, WORK=str(tmp_path / "work"), MAX_TOKENS="4")
+    r = subprocess.run([os.path.join(ROOT, "scripts", "quickstart.sh")], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    pasted = [l.strip() for l in r.stdout.splitlines() if l.startswith("    ")]
+    assert pasted[0].startswith("source ") and pasted[1].startswith("infer run "), r.stdout
+    shell = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    shell["PATH"] = os.pathsep.join(p for p in shell["PATH"].split(os.pathsep) if ".venv" not in p)
+    assert subprocess.run(["bash", "-c", "command -v infer"], env=shell, capture_output=True).returncode != 0
+    out = subprocess.run(["bash", "-c", "\n".join(pasted[:1] + [pasted[1] + " -m 4"])], env=shell,
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("==========\n"), out.stderr
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    blocks = re.findall(r"^```\n(.*?)^```", readme, re.S | re.M)
+    lines = [l for b in blocks for l in b.splitlines()]
+    first = next(i for i, l in enumerate(lines) if re.match(r"(infer|iod) ", l))
+    assert "source .venv/bin/activate" in lines[:first], lines[:first]
