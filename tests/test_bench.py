@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from infer.tools.belady import belady_layer, belady_misses, simulate
@@ -349,3 +350,65 @@ def test_bench_json_is_written_whole(monkeypatch, tmp_path):
     with pytest.raises(OSError):
         write_atomic(out, lambda tmp: tmp.write_text('{"x": 1}'))
     assert [p.name for p in tmp_path.iterdir()] == ["b.json"] and out.read_bytes() == b"{}"
+
+
+def _trace_file(path, layers, experts, k, tokens, seed=1):
+    """An `infer routing` trace ([[layer, [experts]], ...] in call order):
+    a prompt forward, then one decode forward per token; returns each decode
+    token's experts per layer."""
+    rnd = np.random.default_rng(seed)
+    rows = [[sorted(rnd.choice(experts, k, replace=False).tolist()) for _ in range(layers)]
+            for _ in range(tokens)]
+    calls = [[l, list(range(experts))] for l in range(layers)]  # the prompt: every expert
+    calls += [[l, row[l]] for row in rows for l in range(layers)]
+    path.write_text(json.dumps(calls))
+    return rows
+
+
+def test_forced_routing_routes_as_the_trace(prep_model, tmp_path):
+    """Every MoE block of the resident model routes each decode token to the
+    trace's experts of that layer, in order, cycling through the trace."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from infer.runtime.taps import expert_paths, install
+    from infer.tools.forced_routing import ForcedRouting
+    from infer.tools.resident import load_resident
+    from infer.tools.trace import read
+
+    prep = prep_model("qwen3_moe")
+    manifest = Manifest.load(prep)
+    layers, experts = len(manifest.layers), manifest.layers[0].num_experts
+    rows = _trace_file(tmp_path / "t.json", layers, experts, 2, tokens=3)
+    model, _ = load_resident(prep)
+    routing = ForcedRouting(read(tmp_path / "t.json"))
+    paths = expert_paths(model)
+    taps = install(model)  # records the ids each expert module is given
+    assert routing.install(model, paths) == layers
+    cache = make_prompt_cache(model)
+    for t in range(5):  # past the trace's end: it cycles
+        mx.eval(model(mx.array([[7 + t]]), cache=cache))
+    for l, tap in enumerate(taps):
+        seen = [sorted(np.array(ids).ravel().tolist()) for ids in tap.ids]
+        assert seen == [rows[t % 3][l] for t in range(5)], l
+
+
+def test_bench_replays_a_routing_trace_in_every_mode(prep_model, tmp_path):
+    prep = prep_model("qwen3_moe")
+    manifest = Manifest.load(prep)
+    _trace_file(tmp_path / "t.json", len(manifest.layers), manifest.layers[0].num_experts, 2, tokens=6)
+    report = short_bench(prep, tmp_path, "resident,sync,iod", "--routing-trace", str(tmp_path / "t.json"))
+    assert report["tokens_equal"] is True
+    assert report["routing_replayed"]["tokens"] == 6 and report["routing_replayed"]["top_k"] == 2
+    # seven decode tokens of two experts a layer: no more misses than the trace routes
+    assert 0 < report["modes"]["sync"]["decode_misses"] <= len(manifest.layers) * 2 * 7
+
+
+def test_bench_refuses_a_trace_of_another_shape(prep_model, tmp_path, capsys):
+    from infer.tools.bench import main
+
+    prep = prep_model("qwen3_moe")
+    manifest = Manifest.load(prep)
+    _trace_file(tmp_path / "t.json", len(manifest.layers) + 1, manifest.layers[0].num_experts, 2, tokens=2)
+    assert main(["--model", str(prep), "--routing-trace", str(tmp_path / "t.json")]) == 2
+    assert "the trace routes" in capsys.readouterr().err

@@ -71,7 +71,8 @@ def _num_experts(module) -> int:
     raise RoutingError("an expert module without expert projections")
 
 
-def _get(model, path):
+def module_at(model, path):
+    """The submodule at a dotted ``path`` (list items by index)."""
     obj = model
     for p in path.split("."):
         obj = obj[int(p)] if isinstance(obj, list) else obj[p]
@@ -98,13 +99,13 @@ def install(model, experts: Optional[Dict[str, int]] = None) -> List[MoELayer]:
     layers = []
     for i, path in enumerate(paths):
         block_path, _, name = path.rpartition(".")
-        block = _get(model, block_path)
+        block = module_at(model, block_path)
         inner = block[name]
         router = block.get("gate") if "gate" in block else block.get("router")
         k = getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok", None)
         if router is None:
             raise RoutingError(f"no router (gate/router) beside {path}")
-        decoder = _get(model, block_path.rpartition(".")[0])
+        decoder = module_at(model, block_path.rpartition(".")[0])
         norm = decoder.get("post_attention_layernorm") if isinstance(decoder, nn.Module) else None
         n = experts[path] if experts else _num_experts(inner)
         layer = MoELayer(i, path, n, int(k) if k else 0, router, norm)

@@ -83,6 +83,10 @@ def build_parser():
                    help="run the streaming modes as N local ranks through mlx.launch (the layers "
                         "split across them, a fractional --budget of each rank's own experts, a size "
                         "per rank); resident stays one process")
+    p.add_argument("--routing-trace", type=Path, default=None, metavar="FILE",
+                   help="route as this recorded trace does (route_trace v1 CSV, Mixtral JSONL or an "
+                        "infer routing trace), in every mode: a real model's IO pattern on a model "
+                        "of the trace's shape (infer.tools.forced_routing)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--iod", default=None, help=argparse.SUPPRESS)
@@ -167,14 +171,17 @@ def forced_ids(tokenizer, n):
     return ids[:n]
 
 
-def decode(model, prompt_ids, follow, n, store=None):
+def decode(model, prompt_ids, follow, n, store=None, routing=None):
     """One cold run: prefill, then ``n - 1`` decode steps. Returns timings,
-    the greedy prediction at every step, and the stall time of decode."""
+    the greedy prediction at every step, and the stall time of decode.
+    ``routing``: a ForcedRouting, started again at the trace's first token."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from infer.runtime.streaming import MISS_KINDS
 
+    if routing is not None:
+        routing.reset()
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
     logits = model(mx.array(prompt_ids)[None], cache=cache)
@@ -295,6 +302,15 @@ def worker(args) -> dict:
         if args.read_rate:  # reads are capped: plan prefetch with the cap
             store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
 
+    routing = None
+    if args.routing_trace is not None:
+        from infer.tools.forced_routing import ForcedRouting
+        from infer.tools.trace import read
+
+        routing = ForcedRouting(read(args.routing_trace))
+        routing.install(model, None if store is None else
+                        [l.module for l in manifest.layers if not l.module.startswith("mtp.")])
+
     from infer.run import encode_prompt
 
     prompt_ids = encode_prompt(tokenizer, bench_draft.resolve_prompt(args.prompt), args.raw_prompt)
@@ -319,13 +335,13 @@ def worker(args) -> dict:
             if args.warm:
                 if store is not None:
                     store.preload()
-                decode(model, prompt_ids, follow, args.max_tokens, store)
+                decode(model, prompt_ids, follow, args.max_tokens, store, routing)
                 if store is not None:
                     store.reset(keep_cache=True)
             if args.wait_go and r == 0:
                 print("READY", flush=True)
                 sys.stdin.readline()
-            run = decode(model, prompt_ids, follow, args.max_tokens, store)
+            run = decode(model, prompt_ids, follow, args.max_tokens, store, routing)
             if store is not None:
                 run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
                 run["whole_calls"] = store.stats["whole_calls"]
@@ -468,6 +484,8 @@ def _worker_argv(args, mode, out, extra=()):
         argv += ["--arena", str(args.arena)]
     if args.dtype:
         argv += ["--dtype", args.dtype]
+    if args.routing_trace:
+        argv += ["--routing-trace", str(args.routing_trace)]
     return argv + bench_draft.worker_argv(args) + ["--run-index", str(args.run_index)]
 
 
@@ -706,6 +724,16 @@ def main(argv=None) -> int:
         if why:
             raise ValueError(why)
         bench_draft.check_args(args)
+        if args.routing_trace is not None:
+            if args.draft != "none" or args.ranks > 1:
+                raise ValueError("--routing-trace works without --draft and --ranks")
+            from infer.tools.forced_routing import ForcedRouting
+            from infer.tools.trace import TraceError, read
+
+            try:
+                routed = ForcedRouting(read(args.routing_trace)).check(manifest)
+            except TraceError as e:
+                raise ValueError(str(e)) from None
         if args.ranks > 1:
             from infer.runtime.distributed import check_pipelined
 
@@ -725,6 +753,8 @@ def main(argv=None) -> int:
               "expert_bytes": manifest.expert_bytes, "read_rate": args.read_rate * 1e6,
               "prompt": args.prompt, "max_tokens": args.max_tokens, "runs": args.runs,
               "teacher_forcing": not args.free_run, "depth": args.depth, "modes": {}}
+    if args.routing_trace is not None:
+        report["routing_replayed"] = routed
     if args.draft != "none":
         report["draft"] = {"kind": args.draft, "num_draft": args.num_draft, "verify": args.verify,
                            "tokens": args.draft_tokens or args.max_tokens}
