@@ -465,7 +465,7 @@ class IodClient(ExpertSource):
     def _copy_checked(self, layer, batch, sink):
         """``sink(batch)``, proven to have read pinned records: our owner word
         before and after the copy (the daemon zeroes it before it takes pins
-        back), and every slot's generation unchanged across it (a slot
+        back), and no slot's generation changed to another across it (a slot
         evicted and filled again has a new one). Else PinsExpired, and the
         caller forgets what the sink copied."""
         gen0, data0, size = self._slot0
@@ -479,7 +479,12 @@ class IodClient(ExpertSource):
             self._check()
         after = [load(arena, w) for w in words]
         if after != gens:
-            i = next(i for i, g in enumerate(gens) if after[i] != g)
+            # 0 for a moment is an eviction that lost to a pin; another
+            # generation is a slot filled again (the owner word is the proof)
+            moved = [i for i, (g, a) in enumerate(zip(gens, after)) if g and a and g != a]
+            if not moved:
+                return
+            i = moved[0]
             raise PinsExpired(f"layer {layer} expert {batch.experts[i]}: slot "
                               f"{(words[i] - gen0) // S.SLOT_HEADER_BYTES} was filled again while "
                               f"this session copied it")
