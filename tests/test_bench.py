@@ -196,7 +196,7 @@ def test_online_policies_never_beat_belady(policy):
 @pytest.mark.parametrize("fraction", [0.1, 0.3])
 def test_the_store_misses_what_its_simulated_policy_misses(prep_model, fraction):
     """The session cache's replacement rule is the one the policy table
-    measured (decay16+rank), and Belady on its own trace never misses more."""
+    measured (decay16+fit), and Belady on its own trace never misses more."""
     from infer.tools.bench import decode, forced_ids
     from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
@@ -212,7 +212,7 @@ def test_the_store_misses_what_its_simulated_policy_misses(prep_model, fraction)
     source.close()
     cap = {l: s.capacity for l, s in store.stacks.items()}
     assert LayerStack.HALF_LIFE == 16.0
-    assert store.stats["misses"] == simulate(store.routing_trace(), cap, "decay16+rank")
+    assert store.stats["misses"] == simulate(store.routing_trace(), cap, "decay16+fit")
     assert belady_misses(store.routing_trace(), cap) <= store.stats["misses"]
 
 

@@ -77,7 +77,7 @@ def _decode(model, ids, n):
 def test_live_stack_misses_what_its_simulation_misses(arch, trained_model, trained_prep):
     """On trained routing (prefill then teacher-forced decode), at budgets
     below a call's top-k (the ranked bypass) and above it, the store's
-    misses are the simulated decay16+rank's, and never below Belady's."""
+    misses are the simulated decay16+fit's, and never below Belady's."""
     from infer.runtime.loader import load_streaming
     from iod.inproc import InprocSource
 
@@ -94,7 +94,7 @@ def test_live_stack_misses_what_its_simulation_misses(arch, trained_model, train
             store.trace = []
             _decode(model, ids, 48)
             cap = {l: s.capacity for l, s in store.stacks.items()}
-            assert store.stats["misses"] == simulate(store.trace, cap, "decay16+rank"), fraction
+            assert store.stats["misses"] == simulate(store.trace, cap, "decay16+fit"), fraction
             assert belady_misses(store.trace, cap) <= store.stats["misses"]
     finally:
         source.close()
@@ -355,7 +355,7 @@ def test_router_score_replay_at_beta_zero_is_the_kept_policy(trained_prep):
     for key in logits:
         trace = [(0, sorted(r)) for r, _ in bench.calls(logits[key], 8)]
         assert len(trace) == 1 + 48 - bench.PROMPT_TOKENS
-        kept += simulate(trace, row["capacity"], "decay16+rank")
+        kept += simulate(trace, row["capacity"], "decay16+fit")
         belady += belady_misses(trace, row["capacity"])
     assert row[(16, 0)] == kept == bench.foresight(logits, 8, row["capacity"], 0)
     assert row["belady"] == belady <= min(row[(16, 0)], row[(16, 4)])

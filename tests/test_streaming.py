@@ -63,8 +63,8 @@ def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, reference
             assert store.stats["aside_calls"] > len(store._asides)
         elif cache_fraction == 0.15:
             # tokens with some experts cached computed them while the rest were
-            # read; experts the stack did not admit were computed apart
-            assert store.stats["hits_first"] > 0 and store.stats["aside_calls"] > 0
+            # read; a token's experts fit the stack, so every miss was placed
+            assert store.stats["hits_first"] > 0 and store.stats["aside_calls"] == 0
             # and the same ids with that overlap off
             source = InprocSource(prep, arena=64 << 20)
             model, _, store = load_streaming(prep, source, int(expert_bytes * cache_fraction))

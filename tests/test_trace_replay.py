@@ -45,15 +45,13 @@ def test_each_policy_on_hand_checked_traces(tmp_path):
     a = trace.read(one_layer(tmp_path / "a.csv", [0], [1, 0, 1, 2, 1, 0]))
     assert (a.prefill_calls, a.decode_tokens, a.num_experts, a.top_k) == (1, 6, 4, 1)
     assert replay.capacities(a, "0.25") == {0: 1}
-    # runtime: 1 enters over 0 (ranks 0.087 vs 0.043 after one call's decay);
-    # 0, then 1 again, each over the other; 2 (rank 0.217) is not placed over
-    # 1 (0.824); 1 hits; 0 (1.263) is not placed over 1 (1.274): 5 misses.
-    # LRU and LFU (1 place) miss all 6. Belady keeps 0 through 1's first
+    # runtime: every call fits the one place, so every miss takes it: 6
+    # misses, as LRU and LFU (1 place). Belady keeps 0 through 1's first
     # use, then 1 through 2's: 0 hits at step 2, 1 at step 5. oracle1 keeps
     # the expert its next call uses: 0 over 1 at step 1, 1 over 2 at step
     # 4, and at step 6, told nothing more, as the runtime: 4 misses.
     assert misses(replay.replay(a, ["0.25"]), "0.25") == \
-        {"runtime": 5, "lru": 6, "lfu": 6, "belady": 4, "oracle1": 4}
+        {"runtime": 6, "lru": 6, "lfu": 6, "belady": 4, "oracle1": 4}
     b = trace.read(one_layer(tmp_path / "b.csv", [0], [0, 0, 1, 2, 0, 1]))
     # two places. LRU: 2 evicts 0, 0 evicts 1, 1 misses: 4. LFU: 2 evicts 1
     # (used once, 0 three times), 1 evicts 2: 3. The runtime as LFU (2's
@@ -110,7 +108,7 @@ def test_belady_bounds_every_policy_and_runtime_is_the_placement(tmp_path, seed)
         assert rep["runtime"][b]["misses"] == direct
         # the simulator's copy of the rule (oracle1's base) misses the same
         simulated = replay.count_misses(t, replay._online(FreqDecayRank), cap)[0]
-        assert simulated == direct == rep["decay16+rank"][b]["misses"]
+        assert simulated == direct == rep["decay16+fit"][b]["misses"]
     # a whole layer's worth: every policy misses only first uses
     first = rep["belady"]["1"]["misses"]
     assert all(rep[p]["1"]["misses"] == first for p in ("runtime", "lru", "lfu", "oracle1"))
@@ -256,8 +254,9 @@ def test_cli_json_table_and_plot(tmp_path, capsys):
     for p in rep["policies"].values():
         assert list(p) == [".25", "0.5"]
         assert all(set(v) == {"hit", "mb_per_token", "misses"} for v in p.values())
-    assert rep["policies"]["runtime"][".25"] == {"hit": pytest.approx(1 / 6), "misses": 5,
-                                                  "mb_per_token": pytest.approx(5 * 2.5 / 6)}
+    assert rep["policies"]["runtime"][".25"] == {"hit": 0.0, "misses": 6, "mb_per_token": 2.5}
+    assert rep["policies"]["belady"][".25"] == {"hit": pytest.approx(2 / 6), "misses": 4,
+                                                 "mb_per_token": pytest.approx(4 * 2.5 / 6)}
     assert rep["record"] == {"mb": 2.5, "source": "--record-mb"}
     assert rep["budgets"] == {".25": {"experts_per_layer": [1]}, "0.5": {"experts_per_layer": [2]}}
     assert rep["trace"]["decode_tokens"] == 6 and rep["trace"]["format"] == "route_trace v1"
@@ -265,7 +264,7 @@ def test_cli_json_table_and_plot(tmp_path, capsys):
     assert rep["predictors"]["previous"]["2k"]["breadth"] == 2
     # the table shows the JSON's figures
     row = next(l for l in out.splitlines() if l.split()[:1] == [".25"])
-    assert row.split()[2:4] == ["0.167", "2.08"]
+    assert row.split()[2:4] == ["0.000", "2.50"]
     assert png.read_bytes()[:4] == b"\x89PNG"
     # the trace's own expert size where nothing else says (100 bytes here)
     assert routing_main(["--trace", str(src), "--json", str(js)]) == 0

@@ -2,8 +2,8 @@
 rule, kept apart from the arrays so that a replay of recorded routing
 (``infer routing --trace``) runs the very rule a session runs.
 
-Replacement: decayed frequency, misses placed best-scored first and only
-over a victim that scores no higher. ``tick()`` once per call of the layer,
+Replacement: decayed frequency, misses placed best-scored first; a call
+wider than the cache places one only over a victim that scores no higher. ``tick()`` once per call of the layer,
 ``touch`` on each hit, ``assign`` for the misses. A cache that can hold every
 expert of its layer keeps expert e at position e (``identity``)."""
 
@@ -97,14 +97,18 @@ class Placement:
 
     def assign(self, missing, keep):
         """{expert: position} for a call's ``missing`` experts (None: the
-        call uses it from a temporary stack). The best-scored go first, each
-        to a free position or its victim's, and only while it scores at
-        least as high as that victim: when a call needs more experts than
-        the stack holds, the stack keeps the ones used most."""
+        call uses it from a temporary stack); ``keep``: the experts the call
+        uses. The best-scored go first, each to a free position or its
+        victim's. A call that needs more experts than the stack holds places
+        one only while it scores at least as high as its victim, so the stack
+        keeps the ones used most; a call that fits places every miss (real
+        routing reuses a just-missed expert soon: on Qwen3-30B-A3B's trace a
+        quarter of them by the next token, docs/routing.md)."""
         for e in missing:
             self._access(e)
         rank = self._rank
         places = {}
+        test = len(keep) > self.capacity
         for e in sorted(missing, key=lambda e: (-rank[e], e)):
             if self.identity:
                 pos = e
@@ -112,7 +116,7 @@ class Placement:
                 pos = self._free.pop()
             else:
                 victim = self.victim(keep)
-                if victim is None or rank[victim] > rank[e]:
+                if victim is None or (test and rank[victim] > rank[e]):
                     places[e] = None
                     continue
                 pos = self.position.pop(victim)

@@ -197,16 +197,15 @@ class FreqDecayAdmit(FreqDecay):
 
 class FreqDecayRank(FreqDecay):
     """The session cache's rule (``infer.runtime.placement.Placement``): decayed
-    frequency, and a call's missed experts are placed best-scored first, each
-    only while it scores at least as high as the victim it would replace; the
-    rest run from a temporary stack. A call that needs more experts than the
-    stack holds therefore keeps the ones used most, not the first by id.
-    ``admit``: when that admission test applies: "rank" (the rule: always),
-    "all" (never: every miss placed, best-scored first, over any victim
-    outside the call), "fit" (only for a call of more experts than the
-    stack holds)."""
+    frequency, and a call's missed experts are placed best-scored first; in
+    a call of more experts than the stack holds, each only while it scores
+    at least as high as the victim it would replace (the rest run from a
+    temporary stack), so such a call keeps the ones used most.
+    ``admit``: when that admission test applies: "fit" (the rule: only for
+    a call wider than the stack), "rank" (always: the rule before
+    docs/routing.md's replays), "all" (never)."""
 
-    def __init__(self, capacity, half_life=16.0, admit="rank"):
+    def __init__(self, capacity, half_life=16.0, admit="fit"):
         super().__init__(capacity, half_life)
         self.admit = admit
 
@@ -216,11 +215,15 @@ class FreqDecayRank(FreqDecay):
         for e in sorted(missing, key=lambda e: (-self._rank(e), e)):
             if len(self.cached) >= self.capacity:
                 v = self.victim(req)
-                if v is None or (test and self._rank(v) > self._rank(e)):
+                if v is None or (test and self._rank(v) > self._rank(e)) or self._kept(v, e):
                     continue  # used once from a temporary stack
                 del self.cached[v]
             self.on_insert(e)
         return len(missing)
+
+    def _kept(self, victim, new) -> bool:
+        """Whether ``victim`` stays whatever the admission test says."""
+        return False
 
 
 class ToldNext(FreqDecayRank):
@@ -238,6 +241,9 @@ class ToldNext(FreqDecayRank):
 
     def _rank(self, e):
         return super()._rank(e) + (1e6 if e in self.soon else 0.0)
+
+    def _kept(self, victim, new) -> bool:
+        return victim in self.soon and new not in self.soon
 
 
 class LFUAdmit(LFU):
@@ -296,8 +302,8 @@ POLICIES = {
     "decay16+adm": lambda c: FreqDecayAdmit(c, 16.0),
     "decay64+adm": lambda c: FreqDecayAdmit(c, 64.0),
     "arc": ARC,
-    "decay16+rank": lambda c: FreqDecayRank(c, 16.0),
-    "decay32+rank": lambda c: FreqDecayRank(c, 32.0),
+    "decay16+rank": lambda c: FreqDecayRank(c, 16.0, admit="rank"),
+    "decay32+rank": lambda c: FreqDecayRank(c, 32.0, admit="rank"),
     # the rank order without the admission test, and with it only for calls
     # wider than the stack
     "decay16+order": lambda c: FreqDecayRank(c, 16.0, admit="all"),
