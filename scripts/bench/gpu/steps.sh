@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
-#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -59,6 +59,15 @@ q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm k
   log dd; for f in "$W"/q30/layer010.blob "$W"/q30/layer030.blob; do dd if="$f" of=/dev/null bs=3M iflag=direct 2>&1 | tail -1; done | tee "$OUT/dd.txt"
   log warm; time infer run --model "$W/q30" --max-tokens 4 --prompt "Hello" 2>&1 | tail -3
   ;;
+q30trace)  # the q30 preset routed as Qwen3-30B-A3B's recorded trace (TRACE, carried in .gpu/traces):
+  # resident, sync and iod at each budget, one run of 24 tokens each (after `q30`)
+  shift
+  for b in ${*:-0.5 0.25 0.1}; do
+    log "bench $b trace"
+    timeout ${BENCH_S:-170} python3 -m infer.tools.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
+      --modes ${MODES:-resident,sync,iod} --routing-trace "${TRACE:-.gpu/traces/qwen.route.csv}" \
+      --json "$OUT/q30trace-$b.json" 2>&1 | tail -8
+  done ;;
 bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at each budget
   shift
   budgets=${*:-1.0 0.25 0.1 0.5}
