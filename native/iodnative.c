@@ -329,8 +329,7 @@ static PyObject *pread_full(PyObject *self, PyObject *args) {
  * synchronous, ~2 GB/s). Each row is one DMA into MLX's managed memory:
  * on the H200 ~5 us a row idle and ~25 us behind queued kernels, however it
  * is issued (cudaMemcpyBatchAsync changed nothing), against ~50 GB/s for
- * one large row (scripts/gpu/copy_probe.py; docs/benchmarks.md, "Seventh
- * lease"). */
+ * one large row (an NVIDIA H200, 2026-12-01). */
 typedef int (*memcpy_fn)(void *, const void *, size_t, int);
 typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
 typedef int (*register_fn)(void *, size_t, unsigned int);

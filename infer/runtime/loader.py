@@ -109,10 +109,10 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     store.dtype = dtype
     store.set_disk(model_dir)
     if any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):
-        # A streamed layer syncs at its router. On the H200 a sync cost
-        # ~0.5 ms with MLX CUDA's graphs and ~0.2 ms without
-        # (scripts/gpu/sync_probe.py), and streaming at 25% ran 1.07x faster
-        # without them (docs/benchmarks.md, thirteenth lease). MLX reads
+        # A streamed layer syncs at its router. On an NVIDIA H200
+        # (2026-12-02, 7a849c3) a sync cost ~0.5 ms with MLX CUDA's graphs and ~0.2 ms
+        # without, and streaming at 25% ran 1.07x faster without them
+        # (docs/benchmarks.md). MLX reads
         # this at its first CUDA evaluation, still to come here; Metal and
         # the CPU ignore it; a user's own setting wins.
         os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")

@@ -23,7 +23,7 @@ log() { pack; echo "== $(date +%T) $*"; }
 case "$1" in
 setup)
   bash scripts/bench/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt"
-  # kernels compiled on an earlier visit (ptx.tgz from `split`), carried as .gpu/ptx
+  # kernels compiled on an earlier run (ptx.tgz from `split`), carried as .gpu/ptx
   if [ -f .gpu/ptx/ptx.tgz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar xzf .gpu/ptx/ptx.tgz -C "$MLX_PTX_CACHE_DIR"; fi ;;
 unpack)  # a prep folder shipped from here as .gpu/m/partNN (tar | gzip -1 | split -b 50000000), one part
   # a call copied to /root/stash/m, checked against .gpu/msums.txt (carried with this call)
@@ -144,7 +144,7 @@ ab)  # the working tree against an older copy of the code (AB_BASE, a folder hol
   base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
   # the native module this checkout imports (a carried base has none; the glob missed it once)
   cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
-  # the order alternates by round: benches of one call drift (the twenty-third lease: each slower
+  # the order alternates by round: benches of one call drift (an H200, 2026-12-06: each slower
   # than the one before), which a fixed order charges to the side that runs second
   for r in $(seq ${ROUNDS:-2}); do sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"
   for side in $sides; do
