@@ -402,6 +402,15 @@ def test_bench_replays_a_routing_trace_in_every_mode(prep_model, tmp_path):
     assert report["routing_replayed"]["tokens"] == 6 and report["routing_replayed"]["top_k"] == 2
     # seven decode tokens of two experts a layer: no more misses than the trace routes
     assert 0 < report["modes"]["sync"]["decode_misses"] <= len(manifest.layers) * 2 * 7
+    # the table fits a terminal and ends with the ratios
+    from infer.tools.bench import table
+
+    text = table(report)
+    assert max(len(line) for line in text.splitlines()) < 120
+    tok = {m: report["modes"][m]["decode_tok_s"] for m in ("resident", "sync", "iod")}
+    assert text.splitlines()[-1] == (f"decode speed: sync/resident {tok['sync'] / tok['resident']:.2f}, "
+                                     f"iod/resident {tok['iod'] / tok['resident']:.2f}, "
+                                     f"iod/sync {tok['iod'] / tok['sync']:.2f}")
 
 
 def test_bench_refuses_a_trace_of_another_shape(prep_model, tmp_path, capsys):

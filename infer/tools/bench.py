@@ -669,29 +669,57 @@ def _host_cell(m) -> str:
     return f"{m['host_s_per_token'] * 1e3:.2f} ({m['predict_s_per_token'] * 1e3:.2f}{on})"
 
 
-def table(report) -> str:
-    rows = [("mode", "decode tok/s", "runs", "prefill tok/s", "stall", "stall ms/tok",
-             "host ms/tok (predict, on)", "hit", "misses", "belady", "MB/tok", "/bound",
-             "recall/prec d1 d2 d3",
-             "unused MB", "rss infer", "rss iod")]
-    for name, m in report["modes"].items():
-        if "skipped" in m or "error" in m:
-            why = ("skipped: " + m["skipped"]) if "skipped" in m else "failed"
-            rows.append((name, why) + ("",) * 14)
-            continue
-        rows.append((
-            name, _fmt(m["decode_tok_s"], ".2f"),
-            "/".join(f"{x:.2f}" for x in m["decode_tok_s_runs"]),
-            _fmt(m["prefill_tok_s"], ".1f"), _fmt(m["stall_fraction"], ".2f"),
-            _fmt(m.get("stall_s_per_token", 0.0) * 1e3, ".2f"),
-            _host_cell(m),
-            _fmt(m["hit_rate"], ".3f"), str(m["misses"]), _fmt(m["belady_misses"], "d"),
-            _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _fmt(m.get("time_over_bytes_bound"), ".2f"),
-            _prediction_cell(m),
-            _fmt(m.get("prefetch_unused_bytes", 0) / 1e6, ".2f"), format_size(m["peak_rss_infer"]),
-            format_size(m["peak_rss_iod"]) if m["peak_rss_iod"] else "-"))
+def _columns(rows) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _stalled(m) -> str:
+    """Decode misses not ready in the arena when their call came."""
+    split = m.get("miss_split")
+    return str(sum(v for k, v in split.items() if k != "ready")) if split else "-"
+
+
+def table(report) -> str:
+    """The modes' figures (one line each, under 120 columns), the streamed
+    modes' prediction, and the ratios that say how fast streaming is."""
+    modes = report["modes"]
+    rows = [("mode", "tok/s", "prefill", "stall ms", "hit", "misses", "decode", "stalled",
+             "MB/tok", "/bound", "rss infer", "rss iod")]
+    pred = [("mode", "host ms/tok (predict, on)", "recall/prec d1 d2 d3", "unused MB", "belady")]
+    for name, m in modes.items():
+        if "skipped" in m or "error" in m:
+            rows.append((name, ("skipped: " + m["skipped"]) if "skipped" in m else "failed") + ("",) * 10)
+            continue
+        rows.append((
+            name, _fmt(m["decode_tok_s"], ".2f"), _fmt(m["prefill_tok_s"], ".1f"),
+            _fmt(m.get("stall_s_per_token", 0.0) * 1e3, ".2f"), _fmt(m["hit_rate"], ".3f"),
+            str(m["misses"]), str(m.get("decode_misses", 0)), _stalled(m),
+            _fmt(m["bytes_read_per_token"] / 1e6, ".2f"), _fmt(m.get("time_over_bytes_bound"), ".2f"),
+            format_size(m["peak_rss_infer"]), format_size(m["peak_rss_iod"]) if m["peak_rss_iod"] else "-"))
+        if "host_s_per_token" in m:
+            pred.append((name, _host_cell(m), _prediction_cell(m),
+                         _fmt(m.get("prefetch_unused_bytes", 0) / 1e6, ".2f"), _fmt(m["belady_misses"], "d")))
+    out = [_columns(rows)]
+    if len(pred) > 1:
+        out.append(_columns(pred))
+    out += ratio_lines(modes)
+    return "\n".join(out)
+
+
+def ratio_lines(modes) -> list:
+    """Decode speed of each streamed mode over the resident one and iod over
+    sync, and the runs' spread."""
+    tok = {n: m["decode_tok_s"] for n, m in modes.items() if m.get("decode_tok_s")}
+    parts = [f"{n}/resident {tok[n] / tok['resident']:.2f}" for n in tok if n != "resident" and "resident" in tok]
+    if "iod" in tok and "sync" in tok:
+        parts.append(f"iod/sync {tok['iod'] / tok['sync']:.2f}")
+    lines = ["decode speed: " + ", ".join(parts)] if parts else []
+    runs = {n: m["decode_tok_s_runs"] for n, m in modes.items() if len(m.get("decode_tok_s_runs", [])) > 1}
+    if runs:
+        lines.append("runs (decode tok/s): " + "; ".join(
+            f"{n} {min(v):.2f}-{max(v):.2f}" for n, v in runs.items()))
+    return lines
 
 
 def main(argv=None) -> int:
