@@ -24,6 +24,8 @@ import numpy as np
 import xxhash
 
 MANIFEST_NAME = "manifest.json"
+# an unfinished prep's progress record (`infer prep --resume` continues from it)
+PARTIAL_MANIFEST_NAME = "manifest.partial.json"
 MANIFEST_FORMAT = "iod-experts"
 MANIFEST_VERSION = 1
 RECORD_ALIGN = 4096
@@ -146,6 +148,16 @@ class Manifest:
     version: int = MANIFEST_VERSION
     checksum: str = "xxh3_64"
     record_align: int = RECORD_ALIGN
+    # what the records were made from: {"path", "fingerprint"} (None: not
+    # recorded, a folder written before prep recorded it)
+    source: Optional[Dict[str, str]] = None
+    # every other file prep wrote: [{"file", "bytes", "checksum", "tensors"?}]
+    # (None: not recorded); see docs/format.md
+    files: Optional[List[Dict[str, object]]] = None
+
+    def source_path(self) -> str:
+        """The source folder to name in a next step (SRC if unknown)."""
+        return self.source["path"] if self.source else "SRC"
 
     def layer(self, layer: int) -> LayerLayout:
         for l in self.layers:
@@ -193,6 +205,8 @@ class Manifest:
                 version=d["version"],
                 checksum=d["checksum"],
                 record_align=d["record_align"],
+                source=d.get("source"),
+                files=d.get("files"),
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"malformed manifest: {e}") from None
@@ -215,15 +229,24 @@ class Manifest:
             if l.layer in seen:
                 raise ManifestError(f"malformed manifest: layer {l.layer} appears twice")
             seen.add(l.layer)
+        s = self.source
+        if s is not None and not (isinstance(s, dict) and all(isinstance(s.get(k), str)
+                                                              for k in ("path", "fingerprint"))):
+            raise ManifestError("malformed manifest: source is not {path, fingerprint}")
+        if self.files is not None:
+            if not isinstance(self.files, list):
+                raise ManifestError("malformed manifest: files is not a list")
+            for f in self.files:
+                _check_file(f)
 
     @classmethod
-    def load(cls, folder) -> "Manifest":
-        return cls.load_with_hash(folder)[0]
+    def load(cls, folder, name: str = MANIFEST_NAME) -> "Manifest":
+        return cls.load_with_hash(folder, name)[0]
 
     @classmethod
-    def load_with_hash(cls, folder) -> Tuple["Manifest", str]:
-        """The manifest and its hash, from one read of the file."""
-        data = read_manifest_bytes(folder)
+    def load_with_hash(cls, folder, name: str = MANIFEST_NAME) -> Tuple["Manifest", str]:
+        """The manifest (or ``name``: the partial one) and its hash, from one read of the file."""
+        data = read_manifest_bytes(folder, name)
         if data.count(b",") >= MANIFEST_MAX_VALUES:
             raise ManifestError(f"{Path(folder) / MANIFEST_NAME}: more than "
                                 f"{MANIFEST_MAX_VALUES} values, the most a manifest may have")
@@ -278,16 +301,18 @@ def open_inside(folder, name, flags: int = 0) -> int:
     return fd
 
 
-def read_manifest_bytes(folder) -> bytes:
-    """The manifest file's bytes, at most MANIFEST_MAX_BYTES (see open_inside)."""
+def read_manifest_bytes(folder, name: str = MANIFEST_NAME) -> bytes:
+    """A manifest file's bytes, at most MANIFEST_MAX_BYTES (see open_inside)."""
     try:
-        fd = open_inside(folder, MANIFEST_NAME)
+        fd = open_inside(folder, name)
     except FileNotFoundError:
-        raise ManifestError(f"{folder} is not a prep folder (no {MANIFEST_NAME})") from None
+        if name == MANIFEST_NAME:
+            raise ManifestError(_no_manifest(folder)) from None
+        raise ManifestError(f"{folder} has no {name}") from None
     try:
         size = os.fstat(fd).st_size
         if size > MANIFEST_MAX_BYTES:
-            raise ManifestError(f"{Path(folder) / MANIFEST_NAME}: {size} bytes, more than "
+            raise ManifestError(f"{Path(folder) / name}: {size} bytes, more than "
                                 f"the {MANIFEST_MAX_BYTES >> 20} MiB a manifest may have")
         chunks, n = [], 0
         while n <= MANIFEST_MAX_BYTES:  # the file may grow while we read
@@ -299,9 +324,21 @@ def read_manifest_bytes(folder) -> bytes:
     finally:
         os.close(fd)
     if n > MANIFEST_MAX_BYTES:
-        raise ManifestError(f"{Path(folder) / MANIFEST_NAME}: more than "
+        raise ManifestError(f"{Path(folder) / name}: more than "
                             f"{MANIFEST_MAX_BYTES >> 20} MiB")
     return b"".join(chunks)
+
+
+def _no_manifest(folder) -> str:
+    """Why ``folder`` has no manifest.json, with the next step when it is an
+    unfinished prep (interrupted, or being written now)."""
+    try:
+        partial = Manifest.load(folder, PARTIAL_MANIFEST_NAME)
+    except (ManifestError, OSError):
+        return f"{folder} is not a prep folder (no {MANIFEST_NAME})"
+    return (f"{folder} is an unfinished prep ({len(partial.layers)} MoE layers written, no "
+            f"{MANIFEST_NAME}): infer prep --model {partial.source_path()} --out {folder} "
+            f"--resume finishes it")
 
 
 def _is_int(x) -> bool:
@@ -365,6 +402,19 @@ def _check_layer(l: LayerLayout) -> None:
                 f"its shape and a {l.record_bytes}-byte record")
 
 
+def _check_file(f) -> None:
+    """One entry of a manifest's ``files``: see Manifest.check."""
+    name = f.get("file") if isinstance(f, dict) else None
+    if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\x00" in name:
+        raise ManifestError(f"malformed manifest: files: {name!r} is not a file name")
+    if not _is_int(f.get("bytes")) or f["bytes"] < 0 or not _is_hex64(f.get("checksum")):
+        raise ManifestError(f"malformed manifest: files: {name}: bytes or checksum")
+    tensors = f.get("tensors", {})
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and _is_hex64(v)
+                                                for k, v in tensors.items()):
+        raise ManifestError(f"malformed manifest: files: {name}: tensors")
+
+
 def open_blob(folder, layout: LayerLayout, flags: int = 0) -> int:
     """Open a layer's blob file for the daemon's reads (``flags``: e.g.
     O_DIRECT): inside the folder, a regular file (``open_inside``), long
@@ -387,7 +437,8 @@ def open_blob(folder, layout: LayerLayout, flags: int = 0) -> int:
     need = (l.num_experts - 1) * l.stride + l.record_bytes
     if size < need:
         os.close(fd)
-        raise ManifestError(f"{Path(folder) / l.file}: {size} bytes, layout needs {need}")
+        raise ManifestError(f"{Path(folder) / l.file}: {size} bytes, layout needs {need} "
+                            f"(truncated: infer prep --resume rewrites it)")
     return fd
 
 
