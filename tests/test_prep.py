@@ -315,7 +315,7 @@ def test_force_keeps_the_old_folder_until_the_new_one_is_whole(tmp_path, synth_m
 
     monkeypatch.setattr(prep_mod, "write_blob", interrupted)
     assert prep_main(["--model", str(src), "--out", str(out), "--force", "--no-progress"]) == 130
-    assert capsys.readouterr().err.strip() == "infer prep: interrupted"
+    assert capsys.readouterr().err.strip() == f"infer prep: interrupted; {out} is as it was"
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
     monkeypatch.setattr(prep_mod, "write_blob", real)

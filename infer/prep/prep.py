@@ -7,25 +7,33 @@ Everything else is copied byte for byte. The conversion works on raw
 safetensors bytes one record at a time, so memory stays flat.
 """
 
+import errno
+import fcntl
 import json
 import os
 import re
 import resource
 import shutil
+import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from shared.blob import MANIFEST_NAME, NUMPY_DTYPES, LayerLayout, Manifest, ManifestError, plan_layer, record_checksum, verify_record
+import xxhash
+
+from shared.blob import (MANIFEST_NAME, NUMPY_DTYPES, PARTIAL_MANIFEST_NAME, LayerLayout, Manifest, ManifestError,
+                         open_inside,
+                         plan_layer, record_checksum, verify_record)
 
 from infer.prep import safetensors as st
 
 TENSOR_ORDER = ("weight", "scales", "biases", "bias")
 # Quantizations the streaming side knows how to run (mode -> allowed bits).
 SUPPORTED = {"affine": (4, 8), "mxfp4": (4,)}
-PARTIAL_MANIFEST = "manifest.partial.json"
+PARTIAL_MANIFEST = PARTIAL_MANIFEST_NAME
 SHARD_BYTES = 4 << 30
 
 
@@ -71,14 +79,17 @@ def load_config(src: Path) -> dict:
             )
         raise Refusal(f"{src} is not a model folder (not a directory)")
     path = src / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise Refusal(f"{src} is not a model folder (no config.json)")
     if (src / MANIFEST_NAME).is_file():
         raise Refusal(f"{src} is a prep folder already: infer run takes it as it is")
     try:
-        config = json.loads(path.read_text())
-    except ValueError as e:
-        raise Refusal(f"{path} is not valid JSON ({e})") from None
+        with os.fdopen(st.open_regular(path), "rb") as f:
+            config = json.loads(f.read(64 << 20))
+    except st.SafetensorsError as e:
+        raise Refusal(str(e)) from None
+    except (ValueError, RecursionError) as e:
+        raise Refusal(f"{path} is not valid JSON ({str(e).splitlines()[0] if str(e) else e})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise Refusal(f"{path} has no model_type")
     if not list(src.glob("model*.safetensors")):
@@ -135,6 +146,64 @@ def layer_numbers(paths) -> Dict[str, int]:
     return dict(zip(paths, idx))
 
 
+# a decoder block's index in a tensor or parameter name: model.layers.3.*,
+# transformer.h.3.*, backbone.blocks.3.*
+BLOCK = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks)\.)(\d+)\.")
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer")
+
+
+def _blocks(names) -> Dict[str, set]:
+    """{prefix: block indices} of ``names``."""
+    out: Dict[str, set] = {}
+    for n in names:
+        m = BLOCK.match(n)
+        if m:
+            out.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return out
+
+
+def _spans(ids) -> str:
+    from infer.prep.verify import ranges
+
+    return ranges(sorted(ids), limit=4)
+
+
+def check_layer_count(src: Path, config: dict, tensors) -> None:
+    """A config that names more layers than the weights have is refused
+    before mlx-lm builds the model: building allocates per layer (a million
+    layers took gigabytes)."""
+    found = [i for ids in _blocks(tensors).values() for i in ids]
+    for where, c in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(c, dict):
+            continue
+        for key in LAYER_KEYS:
+            n = c.get(key)
+            if n is None:
+                continue
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise Refusal(f"{src / 'config.json'}: {where}{key} is {n!r}, not a number of layers")
+            if found and n > max(found) + 1:
+                raise Refusal(f"{src / 'config.json'} names {n} layers ({where}{key}) but the weights "
+                              f"have layers 0-{max(found)}: the config does not belong to these weights")
+
+
+def check_model_layers(src: Path, model, tensors) -> None:
+    """The weights hold exactly the layers of the model config.json builds
+    (an mlx-lm folder: its weights are the model's parameters, by name)."""
+    from mlx.utils import tree_flatten
+
+    built = _blocks(name for name, _ in tree_flatten(model.parameters()))
+    have = _blocks(tensors)
+    for prefix, ids in built.items():
+        extra, missing = have.get(prefix, set()) - ids, ids - have.get(prefix, set())
+        if missing:
+            raise Refusal(f"{src / 'config.json'} names layers {prefix}{_spans(missing)} that the weights "
+                          f"do not have: the config does not belong to these weights")
+        if extra:
+            raise Refusal(f"the weights have layers {prefix}{_spans(extra)} that {src / 'config.json'} "
+                          f"does not name: the config does not belong to these weights")
+
+
 def infer_quant(path: str, in_dims: int, tensors: Dict[str, st.TensorInfo], qconfig) -> Optional[dict]:
     """{"mode", "bits", "group_size"} of a projection, the way mlx-lm's loader decides it."""
     if f"{path}.scales" not in tensors:
@@ -161,8 +230,9 @@ def infer_quant(path: str, in_dims: int, tensors: Dict[str, st.TensorInfo], qcon
     return q
 
 
-def plan_expert_layer(layer, module, projections, tensors, qconfig, target="model") -> ExpertLayer:
-    """``projections``: [(name, in_dims)] in record order."""
+def plan_expert_layer(layer, module, projections, tensors, qconfig, target="model", experts=None) -> ExpertLayer:
+    """``projections``: [(name, in_dims)] in record order; ``experts``: the
+    expert count the model has (None: not checked)."""
     specs, sources, quant = [], [], {}
     for proj, in_dims in projections:
         ppath = f"{module}.{proj}"
@@ -179,6 +249,9 @@ def plan_expert_layer(layer, module, projections, tensors, qconfig, target="mode
                 raise Refusal(f"{info.name}: unsupported dtype {info.dtype}")
             if len(info.shape) < 2:
                 raise Refusal(f"{info.name}: shape {list(info.shape)} has no expert axis")
+            if experts is not None and info.shape[0] != experts:
+                raise Refusal(f"{info.name} has {info.shape[0]} experts, the model config.json builds "
+                              f"has {experts}: the config does not belong to these weights")
             specs.append((proj, t, info.dtype, list(info.shape[1:]), info.itemsize, info.shape[0]))
             sources.append(info)
     try:
@@ -188,18 +261,21 @@ def plan_expert_layer(layer, module, projections, tensors, qconfig, target="mode
     return ExpertLayer(layout, sources, target)
 
 
-def plan(src: Path, config: dict):
+def plan(src: Path, config: dict, tensors=None):
     """(expert layers, resident tensors, mtp resident tensors); raises Refusal."""
-    tensors = read_tensors(src)
+    tensors = read_tensors(src) if tensors is None else tensors
+    check_layer_count(src, config, tensors)
     model = build_model(config)
     mods = expert_modules(model)
     if not mods:
         raise Refusal(f"{src} has no MoE layers (no SwitchGLU / SwitchMLP modules in its {config['model_type']} model)")
+    check_model_layers(src, model, tensors)
     qconfig = config.get("quantization", config.get("quantization_config")) or {}
     layers = []
     for layer, path, projs in mods:
         projections = [(name, m.input_dims if hasattr(m, "input_dims") else m.weight.shape[-1]) for name, m in projs]
-        layers.append(plan_expert_layer(layer, path, projections, tensors, qconfig))
+        experts = projs[0][1].weight.shape[0] if projs else None
+        layers.append(plan_expert_layer(layer, path, projections, tensors, qconfig, experts=experts))
     used = {s.name for l in layers for s in l.sources}
     resident = [t for t in tensors.values() if t.name not in used]
     resident.sort(key=lambda t: (str(t.file), t.start))
@@ -268,7 +344,7 @@ def write_blob(dst: Path, el: ExpertLayer, progress: Progress, batch_bytes: int 
     try:
         for s in el.sources:
             if s.file not in fds:
-                fds[s.file] = os.open(s.file, os.O_RDONLY)
+                fds[s.file] = st.open_regular(s.file)
         with open(tmp, "wb") as out:
             for e0 in range(0, layout.num_experts, per_batch):
                 n = min(per_batch, layout.num_experts - e0)
@@ -300,27 +376,69 @@ def write_blob(dst: Path, el: ExpertLayer, progress: Progress, batch_bytes: int 
 
 
 def blob_verifies(dst: Path, layout: LayerLayout) -> bool:
-    path = dst / layout.file
-    if len(layout.checksums) != layout.num_experts or not path.is_file():
+    if len(layout.checksums) != layout.num_experts:
         return False
-    if path.stat().st_size < layout.num_experts * layout.stride:
+    try:
+        fd = open_inside(dst, layout.file)  # a regular file inside dst, else rewritten
+    except (OSError, ManifestError):
         return False
-    with open(path, "rb") as f:
+    try:
+        if os.fstat(fd).st_size < layout.num_experts * layout.stride:
+            return False
         for e in range(layout.num_experts):
-            if not verify_record(layout, e, os.pread(f.fileno(), layout.record_bytes, e * layout.stride)):
+            if not verify_record(layout, e, os.pread(fd, layout.record_bytes, e * layout.stride)):
                 return False
+    finally:
+        os.close(fd)
     return True
 
 
-def previous_layouts(dst: Path) -> Dict[int, LayerLayout]:
-    """Layouts with checksums from an earlier (possibly interrupted) run into ``dst``."""
+def previous_layouts(dst: Path, source: dict):
+    """(layouts with checksums from an earlier, possibly interrupted, run
+    into ``dst`` that may be kept, why none may be or None): records made
+    from another source, or from one not recorded, are never kept."""
     for name in (MANIFEST_NAME, PARTIAL_MANIFEST):
         try:
-            m = Manifest.from_dict(json.loads((dst / name).read_text()))
-            return {l.layer: l for l in m.layers}
-        except (OSError, ValueError, ManifestError):
+            m = Manifest.load(dst, name)
+        except (OSError, ManifestError):
             continue
-    return {}
+        if m.source is None:
+            return {}, "its manifest does not say what its records were made from (an older prep)"
+        if m.source["fingerprint"] != source["fingerprint"]:
+            other = "another source" if m.source["path"] != source["path"] else \
+                f"{m.source['path']} as it was before it changed"
+            return {}, f"its records were made from {other}"
+        return {l.layer: l for l in m.layers}, None
+    return {}, None
+
+
+SAMPLES, SAMPLE_BYTES, HEAD_BYTES = 16, 4096, 1 << 20
+
+
+def source_fingerprint(src: Path, options: dict) -> str:
+    """What --resume compares to keep a record: each source file's name,
+    size and modification time, its first MiB (the safetensors header) and
+    16 samples of 4 KiB spread over it, and the conversion's options. A
+    folder of another checkpoint, or the same path rewritten, differs."""
+    h = xxhash.xxh3_128()
+    h.update(json.dumps(options, sort_keys=True).encode())
+    files = sorted(src.glob("model*.safetensors")) + [src / n for n in ("mtp.safetensors", "config.json")]
+    for f in files:
+        if not f.exists():
+            continue
+        try:
+            fd = st.open_regular(f)
+        except st.SafetensorsError as e:
+            raise Refusal(str(e)) from None
+        try:
+            info = os.fstat(fd)
+            h.update(f"{f.name}\0{info.st_size}\0{info.st_mtime_ns}\0".encode())
+            h.update(os.pread(fd, HEAD_BYTES, 0))
+            for i in range(SAMPLES):
+                h.update(os.pread(fd, SAMPLE_BYTES, info.st_size * i // SAMPLES))
+        finally:
+            os.close(fd)
+    return h.hexdigest()
 
 
 def same_layout(a: LayerLayout, b: LayerLayout) -> bool:
@@ -328,29 +446,43 @@ def same_layout(a: LayerLayout, b: LayerLayout) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def copy_resident(dst: Path, tensors, stem: str, progress: Progress, shard_bytes: int) -> List[str]:
+def file_record(path: Path) -> dict:
+    """{"file", "bytes", "checksum"} of a file this prep wrote, for the manifest."""
+    h = xxhash.xxh3_64()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+            n += len(chunk)
+    return {"file": path.name, "bytes": n, "checksum": h.hexdigest()}
+
+
+def copy_resident(dst: Path, tensors, stem: str, progress: Progress, shard_bytes: int) -> List[dict]:
+    """Write the resident tensors; returns each file's manifest record."""
     if not tensors:
         return []
     shards = st.shard(tensors, shard_bytes)
     names = st.shard_names(len(shards)) if stem == "model" else [f"{stem}.safetensors"] * len(shards)
     if stem != "model" and len(shards) > 1:
         shards, names = [tensors], [f"{stem}.safetensors"]
+    records = []
     for shard, name in zip(shards, names):
         tmp = dst / (name + ".tmp")
         try:
-            st.write_file(tmp, shard, {"format": "mlx"}, on_bytes=lambda n: progress.add(n, name[:12]))
+            sums = st.write_file(tmp, shard, {"format": "mlx"}, on_bytes=lambda n: progress.add(n, name[:12]))
             os.replace(tmp, dst / name)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        records.append({"file": name, **sums})
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
             "weight_map": {t.name: n for shard, n in zip(shards, names) for t in shard},
         }
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        names = [*names, "model.safetensors.index.json"]
-    return names
+        records.append(file_record(dst / "model.safetensors.index.json"))
+    return records
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".blob", ".tmp", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
@@ -367,8 +499,13 @@ def copy_side_files(src: Path, dst: Path, skip=()) -> List[str]:
             *skip,
         ):
             continue
-        shutil.copyfile(p, dst / (p.name + ".tmp"))
-        os.replace(dst / (p.name + ".tmp"), dst / p.name)
+        tmp = dst / (p.name + ".tmp")
+        try:
+            shutil.copyfile(p, tmp)
+            os.replace(tmp, dst / p.name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         copied.append(p.name)
     return copied
 
@@ -403,14 +540,107 @@ def sweep_staging(dst: Path) -> None:
             continue  # another user's process
 
 
-def check_dst(src: Path, dst: Path, force: bool, resume: bool) -> None:
+def check_dst(src: Path, dst: Path) -> None:
     s, d = src.resolve(), dst.resolve()
     if d == s or s in d.parents or d in s.parents:
         raise Refusal(f"--out {dst} overlaps the source folder {src}")
     if dst.exists() and not dst.is_dir():
         raise Refusal(f"{dst} exists and is not a directory")
+
+
+def check_dst_empty(dst: Path, force: bool, resume: bool) -> None:
     if dst.is_dir() and any(dst.iterdir()) and not (force or resume):
         raise Refusal(f"{dst} exists and is not empty (use --force to replace it or --resume to continue)")
+
+
+class OutLock:
+    """One prep at a time into a folder: an flock on ``.DST.prep-lock`` beside
+    it (beside, not inside: --force replaces the folder, and the lock must
+    outlive that). The file holds the holder's pid and goes with the lock.
+    Folders above DST that it makes are removed again if DST is not made."""
+
+    def __init__(self, dst: Path):
+        self.dst = Path(os.path.abspath(dst))  # "out/." and "out" are one folder
+        self.path = self.dst.parent / f".{self.dst.name}.prep-lock"
+        self.fd = None
+        self.made: List[Path] = []
+
+    def __enter__(self):
+        self.key = os.path.abspath(self.path)
+        if self.key in _HELD:  # this process holds it already (main, then prep)
+            self.fd = None
+            return self
+        self.made = [p for p in self.dst.absolute().parents if not p.exists()]
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock_file()
+        except BaseException:
+            self._remove_made()
+            raise
+        return self
+
+    def _lock_file(self):
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM) and self.dst.is_dir():
+                    return self._lock_folder()  # a folder whose parent we may not write in
+                if e.errno == errno.ELOOP:
+                    raise Refusal(f"{self.path} is a symbolic link, not infer prep's lock file") from None
+                # where --out cannot be made either: the user's path, not the lock's
+                raise OSError(e.errno, e.strerror, str(self.dst)) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise Refusal(self._busy(holder)) from None
+            # its holder removes the file as it lets go: lock the file the name has now
+            try:
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        _HELD.add(self.key)
+
+    def _lock_folder(self):
+        fd = os.open(self.dst, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise Refusal(self._busy("")) from None
+        self.fd, self.path = fd, None
+        _HELD.add(self.key)
+
+    def _busy(self, holder: str) -> str:
+        who = f" (pid {holder})" if holder.isdigit() else ""
+        return f"another infer prep{who} is writing {self.dst}; wait for it to end, then run this again"
+
+    def _remove_made(self):
+        for p in self.made:  # deepest first; one that holds something stays
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    def __exit__(self, *exc):
+        if self.fd is None:
+            return
+        _HELD.discard(self.key)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self._remove_made()
+
+
+_HELD = set()  # lock files this process holds
 
 
 def read_tensors(src: Path) -> Dict[str, st.TensorInfo]:
@@ -430,29 +660,51 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
     ``src`` is an mlx-lm folder (its tensors are copied byte for byte) or a
     folder as Hugging Face publishes it, which mlx-lm's code converts first:
     ``quant`` (a ``prep_convert.Quantization``, default 4-bit affine) and
-    ``dtype`` apply to those only."""
+    ``dtype`` apply to those only. Interrupted, the folder is left
+    resumable if a layer was written, else as it was (a folder it made is
+    removed). One prep at a time writes ``dst`` (OutLock)."""
+    src, dst = Path(src), Path(dst)
+    config = load_config(src)
+    check_dst(src, dst)
+    with OutLock(dst):
+        check_dst_empty(dst, force, resume)
+        sweep_staging(dst)  # of any prep into dst killed before it could clean up
+        if dst.is_dir() and any(dst.iterdir()) and force and not resume:
+            # the folder being replaced stays whole until its replacement is
+            staging = dst.parent / f".{dst.name}.prep-{os.getpid()}"
+            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                m = _write(src, staging, config, False, progress, shard_bytes, quant, dtype)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(staging, dst)
+            shutil.rmtree(old)
+        else:
+            m = _write(src, dst, config, resume, progress, shard_bytes, quant, dtype)
+        return m
+
+
+def _save_partial(dst: Path, model_type: str, layers, source: dict) -> None:
+    """The progress record --resume continues from; manifest.json comes last."""
+    tmp = dst / (PARTIAL_MANIFEST + ".tmp")
+    tmp.write_text(Manifest(model_type=model_type, layers=layers, source=source).to_json())
+    os.replace(tmp, dst / PARTIAL_MANIFEST)
+
+
+def _write(src, dst, config, resume, progress, shard_bytes, quant, dtype) -> Manifest:
     from infer.prep import convert as prep_convert
 
-    config = load_config(src)
-    check_dst(src, dst, force, resume)
-    if dst.is_dir() and any(dst.iterdir()) and force and not resume:
-        # the folder being replaced stays whole until its replacement is
-        sweep_staging(dst)
-        staging = dst.parent / f".{dst.name}.prep-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
-            m = prep(src, staging, progress=progress, shard_bytes=shard_bytes, quant=quant, dtype=dtype)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        os.replace(dst, old)
-        os.replace(staging, dst)
-        shutil.rmtree(old)
-        return m
+    tensors = read_tensors(src)
+    check_layer_count(src, config, tensors)  # before mlx-lm builds anything per layer
     converted = None
-    if prep_convert.is_published_layout(src, config, read_tensors(src)):
+    if prep_convert.is_published_layout(src, config, tensors):
+        import mlx_lm
+
         quant = prep_convert.Quantization() if quant is None else quant
+        options = {"layout": "hf", "quant": quant and vars(quant), "dtype": dtype, "mlx_lm": mlx_lm.__version__}
         layers, resident, converted = prep_convert.convert(src, config, quant or None, dtype)
         mtp_resident = []
     else:
@@ -460,49 +712,65 @@ def prep(src: Path, dst: Path, force=False, resume=False, progress=True, shard_b
             raise Refusal(f"{src} is already converted by mlx-lm; its dtype and quantization are kept "
                           "(--q-bits, --q-group-size, --q-mode, --no-quantize and --dtype apply to "
                           "folders as Hugging Face publishes them)")
-        layers, resident, mtp_resident = plan(src, config)
+        options = {"layout": "mlx"}
+        layers, resident, mtp_resident = plan(src, config, tensors)
+    source = {"path": str(src.resolve()), "fingerprint": source_fingerprint(src, options)}
 
-    previous = previous_layouts(dst) if resume and dst.is_dir() else {}
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / MANIFEST_NAME).unlink(missing_ok=True)  # the folder is not valid until the end
-
-    manifest = Manifest(model_type=config["model_type"], layers=[l.layout for l in layers])
-    total = sum(l.layout.record_bytes * l.layout.num_experts for l in layers)
-    total += sum(t.nbytes for t in resident) + sum(t.nbytes for t in mtp_resident)
-    bar = Progress(total, progress)
-    skipped = 0
+    previous, why = previous_layouts(dst, source) if resume and dst.is_dir() else ({}, None)
+    made = not dst.exists()
+    was_empty = not made and not any(dst.iterdir())
+    dst.mkdir(exist_ok=True)
+    manifest = Manifest(model_type=config["model_type"], layers=[l.layout for l in layers], source=source)
     done: List[LayerLayout] = []
-    for el in layers:
-        old = previous.get(el.layout.layer)
-        if old is not None and same_layout(old, el.layout) and blob_verifies(dst, old):
-            el.layout.checksums = old.checksums
-            skipped += 1
-            bar.add(el.layout.record_bytes * el.layout.num_experts, f"layer {el.layout.layer} ok")
+    try:
+        # the folder says what it is from here on: unfinished until manifest.json
+        _save_partial(dst, manifest.model_type, list(previous.values()), source)
+        (dst / MANIFEST_NAME).unlink(missing_ok=True)
+
+        total = sum(l.layout.record_bytes * l.layout.num_experts for l in layers)
+        total += sum(t.nbytes for t in resident) + sum(t.nbytes for t in mtp_resident)
+        bar = Progress(total, progress)
+        skipped = 0
+        for el in layers:
+            old = previous.pop(el.layout.layer, None)
+            if old is not None and same_layout(old, el.layout) and blob_verifies(dst, old):
+                el.layout.checksums = old.checksums
+                skipped += 1
+                bar.add(el.layout.record_bytes * el.layout.num_experts, f"layer {el.layout.layer} ok")
+            else:
+                write_blob(dst, el, bar)
+            done.append(el.layout)
+            # layers not reached yet stay keepable by a later --resume
+            _save_partial(dst, manifest.model_type, done + list(previous.values()), source)
+
+        files = copy_resident(dst, resident, "model", bar, shard_bytes)
+        if mtp_resident:
+            files += copy_resident(dst, mtp_resident, "mtp", bar, shard_bytes)
+        if converted is not None:
+            from mlx_lm.utils import save_config
+
+            side = copy_side_files(src, dst, skip=("config.json",))
+            save_config(converted, dst / "config.json")
+            side.append("config.json")
         else:
-            write_blob(dst, el, bar)
-        done.append(el.layout)
-        # progress record for --resume; manifest.json itself comes last
-        partial = dst / PARTIAL_MANIFEST
-        (dst / (PARTIAL_MANIFEST + ".tmp")).write_text(Manifest(model_type=manifest.model_type, layers=done).to_json())
-        os.replace(dst / (PARTIAL_MANIFEST + ".tmp"), partial)
-
-    written = {l.file for l in manifest.layers} | {MANIFEST_NAME, PARTIAL_MANIFEST}
-    written.update(copy_resident(dst, resident, "model", bar, shard_bytes))
-    if mtp_resident:
-        written.update(copy_resident(dst, mtp_resident, "mtp", bar, shard_bytes))
-    if converted is not None:
-        from mlx_lm.utils import save_config
-
-        written.update(copy_side_files(src, dst, skip=("config.json",)))
-        save_config(converted, dst / "config.json")
-        written.add("config.json")
-    else:
-        written.update(copy_side_files(src, dst))
-    bar.end()
-    remove_stale(dst, written)
-    manifest.save(dst)
-    (dst / PARTIAL_MANIFEST).unlink(missing_ok=True)
+            side = copy_side_files(src, dst)
+        files += [file_record(dst / name) for name in side]
+        bar.end()
+        manifest.files = sorted(files, key=lambda f: f["file"])
+        remove_stale(dst, {l.file for l in manifest.layers} | {f["file"] for f in files}
+                     | {MANIFEST_NAME, PARTIAL_MANIFEST})
+        manifest.save(dst)
+        (dst / PARTIAL_MANIFEST).unlink(missing_ok=True)
+    except BaseException:
+        if not done and (made or was_empty):  # nothing worth resuming: leave it as it was
+            if made:
+                shutil.rmtree(dst, ignore_errors=True)
+            else:
+                for p in dst.iterdir():
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        raise
     manifest.skipped = skipped  # for the summary line
+    manifest.not_kept = why
     return manifest
 
 
@@ -557,6 +825,9 @@ def main(argv) -> int:
     if a.calibrate is not None:  # checked before the prep, which takes minutes
         why = None
         try:
+            if a.calibrate.exists() and not a.calibrate.is_dir() and \
+                    not stat.S_ISREG(a.calibrate.stat().st_mode):
+                raise IsADirectoryError  # a FIFO or device: never waited on
             if not a.calibrate.read_bytes().decode("utf-8").strip():
                 why = "is empty"
         except IsADirectoryError:
@@ -568,22 +839,73 @@ def main(argv) -> int:
         if why:
             print(f"infer prep: --calibrate {a.calibrate} {why}", file=sys.stderr)
             return 2
-    t0 = time.time()
+    caught = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:  # a caller's own handler wins
+            caught[sig] = signal.signal(sig, _terminate)
     try:
-        m = prep(a.model, a.out, a.force, a.resume, progress=not a.no_progress,
-                 quant=quant_from_args(a), dtype=a.dtype)
+        with OutLock(a.out):
+            return _run(a)
     except Refusal as e:
         print(f"infer prep: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        more = "; --resume continues from the layers written" \
-            if (a.out / PARTIAL_MANIFEST).exists() else ""
-        print(f"\ninfer prep: interrupted{more}", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        signum = e.args[0] if isinstance(e, Terminated) else signal.SIGINT
+        what = {signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}.get(signum, "interrupted")
+        try:  # a closed terminal may refuse the line
+            print(f"\ninfer prep: {what}; {left_behind(a)}", file=sys.stderr)
+        except OSError:
+            pass
+        return 128 + signum
+    except OSError as e:  # e.g. a full disk: one line, and what the folder is now
+        where = f"{e.filename}: " if e.filename else ""
+        left = left_behind(a)
+        more = f"; {left}" if "--resume" in left else ""
+        print(f"infer prep: {where}{e.strerror or e}{more}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, old in caught.items():
+            signal.signal(sig, old)
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so the folder is left as
+    an interrupted prep leaves it."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+def left_behind(a) -> str:
+    """What an interrupted or failed prep left in --out, with the next step."""
+    out = a.out
+    if getattr(a, "finished", False):
+        return f"{out} is whole; its calibration (--calibrate) was not written"
+    try:
+        partial = Manifest.load(out, PARTIAL_MANIFEST)
+    except (OSError, ManifestError):
+        partial = None
+    if partial is not None and not (out / MANIFEST_NAME).exists():
+        return (f"{out} is unfinished ({len(partial.layers)} MoE layers written): "
+                f"infer prep --model {a.model} --out {out} --resume finishes it")
+    if (out / MANIFEST_NAME).exists():
+        return f"{out} is as it was"
+    return "nothing was written" if not out.exists() or not any(out.iterdir()) else f"{out} is as it was"
+
+
+def _run(a) -> int:
+    t0 = time.time()
+    m = prep(a.model, a.out, a.force, a.resume, progress=not a.no_progress,
+             quant=quant_from_args(a), dtype=a.dtype)
+    a.finished = True
     experts = sum(l.stride * l.num_experts for l in m.layers)
     resident = sum(p.stat().st_size for p in a.out.glob("*.safetensors"))
+    kept = ""
+    if a.resume:
+        kept = f" ({m.skipped} kept by --resume{': ' + m.not_kept if m.not_kept else ''})"
     print(
-        f"wrote {a.out}: {len(m.layers)} MoE layers ({m.skipped} kept by --resume), "
+        f"wrote {a.out}: {len(m.layers)} MoE layers{kept}, "
         f"{sum(l.num_experts for l in m.layers)} expert records, experts {experts / 1e6:.1f} MB, "
         f"resident {resident / 1e6:.1f} MB, {time.time() - t0:.1f}s"
     )
