@@ -39,6 +39,18 @@ def read_prep_folder(model_dir):
         manifest = Manifest.load(model_dir)
     except ManifestError as e:
         raise PrepFolderError(str(e)) from None
+    # mlx-lm and the tokenizer open what they find here: a FIFO or device
+    # would block the load for good, so only regular files (and folders) pass
+    import stat
+
+    for entry in os.scandir(model_dir):
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue  # a dangling link: whatever opens it fails at once
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise PrepFolderError(f"{model_dir / entry.name} is not a regular file; a prep folder "
+                                  f"holds the files infer prep wrote: infer verify {model_dir} checks it")
     if not (model_dir / "config.json").exists():
         raise PrepFolderError(f"{model_dir} has no config.json")
     try:  # read again by the loader and the budget: a broken one stops here
@@ -47,12 +59,20 @@ def read_prep_folder(model_dir):
         raise PrepFolderError(f"{model_dir / 'config.json'}: {first_line(e)}") from None
     if not isinstance(config, dict):
         raise PrepFolderError(f"{model_dir / 'config.json'} is not a JSON object")
+    repair = (f"infer verify {model_dir} lists what is damaged; infer prep --model "
+              f"{manifest.source_path()} --out {model_dir} --resume rewrites it")
     for layout in manifest.layers:
         path = model_dir / layout.file
         if not path.exists():
-            raise PrepFolderError(f"missing blob {path}")
+            raise PrepFolderError(f"missing blob {path}: {repair}")
         if path.stat().st_size < layout.stride * layout.num_experts:
-            raise PrepFolderError(f"blob {path} is shorter than its manifest says")
+            raise PrepFolderError(f"blob {path} is shorter than its manifest says (truncated): {repair}")
+    for f in manifest.files or []:  # sizes only: the checksums are infer verify's
+        path = model_dir / f["file"]
+        size = path.stat().st_size if path.exists() else None
+        if size != f["bytes"]:
+            has = "is missing" if size is None else f"has {size} bytes, infer prep wrote {f['bytes']}"
+            raise PrepFolderError(f"{model_dir}: the model does not load: {f['file']} {has}: {repair}")
     # the optional files of --calibrate
     hidden = model_config(model_dir).get("hidden_size")
     try:
