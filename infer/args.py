@@ -12,8 +12,9 @@ from typing import Callable
 from shared.paths import tmp_beside
 
 DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_HELP = ("cast the weights (experts included) to this dtype; default: the folder's. "
-              "On a CPU without fast bfloat16 (x86) use float32")
+DTYPE_HELP = ("cast the weights (experts included) to this dtype; auto: the folder's, except "
+              "on a CPU without fast bfloat16 (MLX's CPU backend on x86, where bfloat16 runs "
+              "~8x slower and float16 slower still), where a 16-bit folder computes in float32")
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -37,6 +38,12 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         sys.stderr.write(f"{self.prog}: {message}\n")
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        if getattr(self, "resolves_dtype", False):  # add_dtype's: --dtype auto becomes a choice
+            ns.dtype, ns.dtype_choice = resolve_dtype(ns.dtype, getattr(ns, "model", None))
+        return ns
 
 
 def version() -> str:
@@ -83,6 +90,35 @@ seed_int = _number(int, 0, (1 << 64) - 1)
 port_int = _number(int, 0, 65535)
 
 
+def tokens_or_no_limit(text):
+    """-m/--max-tokens of mlx_lm.generate: a count, or -1 for no limit."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1 and n != -1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, or -1 for no limit (got {text})")
+    return n
+
+
+tokens_or_no_limit.__name__ = "int"
+
+
+def one_of(*values):
+    """An integer among ``values`` (what MLX's quantization takes)."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n not in values:
+            raise argparse.ArgumentTypeError(f"takes {', '.join(map(str, values))} (got {text!r})")
+        return n
+
+    parse.__name__ = "int"
+    return parse
+
+
 def iod_target(text):
     """--iod: "auto" or a socket path (not empty)."""
     if not text.strip():
@@ -108,11 +144,14 @@ def str2bool(text):
     return str(text).lower() not in ("false", "f", "0", "no")
 
 
-def add_sampling(p, max_tokens=100, serve=False):
-    """mlx-lm's generation flags, with its names and short forms."""
+def add_sampling(p, max_tokens=100, serve=False, no_limit=False):
+    """mlx-lm's generation flags, with its names and short forms; with
+    ``no_limit``, -1 tokens is no limit (as in mlx_lm.generate)."""
     what = "default per request: " if serve else ""
     names = ["--max-tokens"] if serve else ["--max-tokens", "-m"]  # as mlx_lm.server / generate
-    p.add_argument(*names, type=positive_int, default=max_tokens, help=f"{what}tokens to generate at most")
+    p.add_argument(*names, type=tokens_or_no_limit if no_limit else positive_int, default=max_tokens,
+                   help=f"{what}tokens to generate at most" + ("; -1: until the eos token, or the "
+                                                                "model's context is full" if no_limit else ""))
     p.add_argument("--temp", type=nonneg_float, default=0.0, help=f"{what}sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=unit_float, default=1.0, help=f"{what}nucleus sampling (1: off)")
     p.add_argument("--top-k", type=nonneg_int, default=0, help=f"{what}sample from the k likeliest (0: off)")
@@ -120,7 +159,39 @@ def add_sampling(p, max_tokens=100, serve=False):
 
 
 def add_dtype(p):
-    p.add_argument("--dtype", choices=DTYPES, default=None, help=DTYPE_HELP)
+    """--dtype, resolved after parsing (``resolve_dtype``): ``args.dtype`` is
+    a dtype's name or None (the folder's), ``args.dtype_choice`` says why."""
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help=DTYPE_HELP)
+    p.resolves_dtype = True
+
+
+def slow_bfloat16() -> bool:
+    """Whether MLX computes 16-bit floats slowly here: its CPU backend on x86
+    (measured on this project's CPU: a 4-bit matmul 5x slower in bfloat16,
+    20x in float16, than in float32); not Apple silicon, not a GPU."""
+    import platform
+
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu and \
+        platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def resolve_dtype(choice, model_dir, slow=None):
+    """(the dtype to cast to, or None for the folder's own; what was chosen
+    and why, in words) for ``--dtype choice``. ``auto``: a 16-bit folder
+    computes in float32 where ``slow_bfloat16``, else as stored."""
+    from infer.runtime.budget import folder_dtype
+
+    if choice is None:
+        return None, "the folder's"
+    if choice != "auto":
+        return choice, f"{choice} (--dtype {choice})"
+    stored = folder_dtype(model_dir) if model_dir else None
+    if stored in ("bfloat16", "float16") and (slow_bfloat16() if slow is None else slow):
+        return "float32", (f"float32 (auto: the folder's {stored} is slow on this CPU; "
+                           f"--dtype {stored} keeps it)")
+    return None, f"{stored} (auto: the folder's)" if stored else "the folder's (auto)"
 
 
 def mx_dtype(name):

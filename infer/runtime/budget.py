@@ -415,3 +415,160 @@ def release_page_cache(model_dir) -> None:
             pass
         finally:
             os.close(fd)
+
+
+_FLOAT_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def folder_dtype(model_dir):
+    """The floating dtype most of the resident weights' values are stored in
+    (a name, e.g. "bfloat16"), or None where no resident file says."""
+    counts = {}
+    try:
+        for f in resident_files(model_dir):
+            for t in _safetensors_header(f).values():
+                if t.get("dtype") in _FLOATS:
+                    n = 1
+                    for d in t["shape"]:
+                        n *= d
+                    counts[t["dtype"]] = counts.get(t["dtype"], 0) + n
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+        return None  # the folder's own check says what is wrong with it
+    return _FLOAT_NAMES[max(counts, key=counts.get)] if counts else None
+
+
+# --mem-budget auto: the share of the memory available a session plans to
+# take; the rest absorbs other programs' growth and this plan's estimates
+AUTO_SHARE = 0.8
+AUTO_RESERVE = 256 << 20  # left over at least, on a small machine
+_NO_LIMIT = 1 << 60  # a cgroup v1 "unlimited" is 2**63 rounded down to a page
+
+
+def _first_int(path):
+    """The first word of a file as bytes (cgroup v2's "max": no limit), or None."""
+    try:
+        word = Path(path).read_text().split()[0]
+    except (OSError, IndexError):
+        return None
+    if word == "max":
+        return _NO_LIMIT
+    try:
+        return int(word)
+    except ValueError:
+        return None
+
+
+def _stat_value(path, key):
+    """A ``key value`` line's value in a stat file (0 when absent)."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_room(cgroup="/proc/self/cgroup", root="/sys/fs/cgroup"):
+    """(bytes the tightest memory cgroup limit over this process still
+    leaves, that cgroup's folder), or None where no limit applies. v2 and
+    v1, each cgroup up to the mount's root (a container sees its own cgroup
+    there); the inactive file pages count as room, as the kernel reclaims
+    them before it fails a charge."""
+    try:
+        lines = Path(cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            bases = [Path(root), Path(root) / "unified"]
+            limit, usage, stat, inactive = "memory.max", "memory.current", "memory.stat", "inactive_file"
+        elif "memory" in controllers.split(","):
+            bases = [Path(root) / "memory"]
+            limit, usage, stat, inactive = ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                            "memory.stat", "total_inactive_file")
+        else:
+            continue
+        for base in bases:
+            folder = base / path.strip("/")
+            if not folder.is_dir():
+                folder = base
+            while True:
+                cap = _first_int(folder / limit)
+                used = _first_int(folder / usage)
+                if cap is not None and cap < _NO_LIMIT and used is not None:
+                    room = max(0, cap - used + _stat_value(folder / stat, inactive))
+                    if best is None or room < best[0]:
+                        best = (room, str(folder))
+                if folder == base or folder.parent == folder:
+                    break
+                folder = folder.parent
+    return best
+
+
+def _meminfo_available(meminfo):
+    """MemAvailable (bytes) from a /proc/meminfo, or None."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _darwin_available():
+    """macOS: pages free, inactive, speculative and purgeable (vm_stat), as
+    the kernel gives them back without swapping."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"page size of (\d+) bytes", out)
+    page = int(m.group(1)) if m else os.sysconf("SC_PAGE_SIZE")
+    pages = 0
+    for name in ("Pages free", "Pages inactive", "Pages speculative", "Pages purgeable"):
+        m = re.search(rf"^{name}:\s+(\d+)", out, re.M)
+        pages += int(m.group(1)) if m else 0
+    return pages * page if pages else None
+
+
+def available_memory(meminfo="/proc/meminfo", cgroup="/proc/self/cgroup", root="/sys/fs/cgroup",
+                     platform=None):
+    """(bytes a session may still take without the machine swapping or an
+    OOM killer acting, where the figure comes from): Linux's MemAvailable,
+    or less where a memory cgroup's limit leaves less; macOS's reclaimable
+    pages. None where nothing says."""
+    import sys
+
+    if (platform or sys.platform) == "darwin":
+        avail = _darwin_available()
+        return (avail, "vm_stat: free, inactive, speculative and purgeable pages") if avail else None
+    avail = _meminfo_available(meminfo)
+    room = cgroup_room(cgroup, root)
+    if room is not None and (avail is None or room[0] < avail):
+        return room[0], f"the memory cgroup {room[1]}'s limit"
+    return (avail, "MemAvailable") if avail is not None else None
+
+
+def auto_budget(**where):
+    """(the session's memory budget for ``--mem-budget auto``, in words how
+    it was sized): ``AUTO_SHARE`` of the memory available, at least
+    ``AUTO_RESERVE`` left over; ValueError where the memory available is
+    unknown. ``where``: ``available_memory``'s files (tests)."""
+    found = available_memory(**where)
+    if found is None:
+        raise ValueError("--mem-budget auto: this system does not say how much memory is available; "
+                         "give a size, e.g. --mem-budget 8G")
+    avail, source = found
+    budget = max(0, min(int(avail * AUTO_SHARE), avail - AUTO_RESERVE))
+    return budget, f"{AUTO_SHARE:.0%} of the {format_size(avail)} available by {source}"
