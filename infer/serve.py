@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import weakref
 from pathlib import Path
@@ -85,6 +86,10 @@ class BadRequest(ValueError):
 
 class ModelNotServed(ValueError):
     """A request for another model: answered 404."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so that the daemon session closes."""
 
 
 class Generator(mlx_server.ResponseGenerator):
@@ -259,6 +264,10 @@ def _handler_class(model, given=None):
             self.wfile.write(body)
             self.wfile.flush()
 
+        def log_message(self, format, *args):
+            # one line a request, as --log-level says (mlx-lm's went to stderr)
+            logging.info(f"{self.address_string()} {format % args}")
+
         def handle_models_request(self):
             card = {"id": listed, "object": "model", "created": self.created, "owned_by": "infer"}
             rest = unquote(self.path.split("?")[0][len("/v1/models"):]).strip("/")
@@ -278,18 +287,26 @@ def _handler_class(model, given=None):
     return Handler
 
 
-def _server_class(host):
+def bind(host, port, handler_class):
+    """The HTTP server, bound and listening (as mlx-lm's ``_run_http_server``
+    makes it); OSError when the address cannot be had."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+
     class Server(mlx_server.ThreadingHTTPServer):
-        def server_activate(self):
-            super().server_activate()
-            port = self.server_address[1]
-            print(f"infer serve: listening on http://{host}:{port}", flush=True)
+        address_family = family
 
-    return Server
+    server = Server(address, None)
+    server.RequestHandlerClass = lambda *a, **kw: handler_class(
+        server.generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **kw)
+    return server
 
 
-def _stop(signum, frame):
-    raise KeyboardInterrupt  # mlx-lm's server loop shuts down on it
+_WHY = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hung up"}
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
 
 
 def _leave(rc):
@@ -324,7 +341,14 @@ def _exit_rank(source):
 def main(argv=None) -> int:
     from infer.runtime.distributed import leave_status
 
-    rc = _main(argv)
+    try:
+        rc = _main(argv)
+    except KeyboardInterrupt:  # before the server ran: nothing of ours is left
+        print("infer serve: interrupted", file=sys.stderr)
+        rc = 130
+    except Terminated as e:
+        print(f"infer serve: {_WHY[e.args[0]]}", file=sys.stderr)
+        rc = 128 + e.args[0]
     leave_status(rc)  # under --ranks: this rank's status, for the launcher
     return rc
 
@@ -348,51 +372,78 @@ def _main(argv=None) -> int:
     if args.ranks > 1 and not distributed.launched():
         return distributed.launch("serve", args.ranks, sys.argv[1:] if argv is None else list(argv))
     g = distributed.group()
+    if g is None:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, _terminate)
+    model = str(Path(args.model).resolve())
+    httpd = None
+    if g is None or g.rank() == 0:
+        # the port first: a busy one is said before anything loads
+        try:
+            httpd = bind(args.host, args.port, _handler_class(model, args.model))
+        except OSError as e:
+            print(f"infer serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}",
+                  file=sys.stderr)
+            if g is not None:  # the other ranks wait on this one: leave at once
+                _leave(1)
+            return 1
     try:
-        if g is not None:
-            manifest = distributed.rank_manifest(manifest, args.model, g)
-            args.iod = args.iod.replace("{rank}", str(g.rank()))  # a daemon per rank
-        cache_bytes, client_kw = None, {}
-        if args.mem_budget is not None:
-            from infer.runtime.budget import plan_session
+        try:
+            if g is not None:
+                manifest = distributed.rank_manifest(manifest, args.model, g)
+                args.iod = args.iod.replace("{rank}", str(g.rank()))  # a daemon per rank
+            cache_bytes, client_kw = None, {}
+            if args.mem_budget is not None:
+                from infer.runtime.budget import plan_session
 
-            plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
-                                           dtype=args.dtype)
-            cache_bytes = plan.cache_bytes
-        source = make_source(args.model, args.iod, working_set=top_k(args.model), **client_kw)
-    except (PrepFolderError, ValueError, IodError) as e:
-        print(f"infer serve: {e}", file=sys.stderr)
-        return 2
+                plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
+                                               dtype=args.dtype)
+                cache_bytes = plan.cache_bytes
+            source = make_source(args.model, args.iod, working_set=top_k(args.model), **client_kw)
+        except (PrepFolderError, ValueError, IodError) as e:
+            print(f"infer serve: {e}", file=sys.stderr)
+            return 2
+    except BaseException:
+        if httpd is not None:
+            httpd.server_close()
+        raise
 
     cli_args = argparse.Namespace(**vars(args), **_FIXED)
-    cli_args.model = str(Path(args.model).resolve())
+    cli_args.model = model
     cli_args.pipeline = g is not None  # mlx-lm's provider: a pipeline group, not tensor parallel
     provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model)
     if g is not None:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, _exit_rank(source))
-    else:
-        signal.signal(signal.SIGTERM, _stop)
-    generator = Generator(
-        provider, mlx_server.LRUPromptCache(args.prompt_cache_size))
     if g is not None and g.rank() != 0:
-        generator.join()  # requests come from rank 0; a signal ends this rank
+        # requests come from rank 0; a signal ends this rank
+        Generator(provider, mlx_server.LRUPromptCache(args.prompt_cache_size)).join()
         return 1  # the generation thread ended on its own: it failed
+    generator = None
+    rc, why = 0, None
     try:
-        # mlx-lm's server loop; on SIGINT/SIGTERM it stops the generation thread
-        mlx_server._run_http_server(args.host, args.port, generator,
-                                    server_class=_server_class(args.host),
-                                    handler_class=_handler_class(cli_args.model, args.model))
-    except OSError as e:  # the address cannot be bound
-        print(f"infer serve: {e}", file=sys.stderr)
-        if g is not None:  # the generation thread waits on the other ranks: leave at once
-            source.close()
-            _leave(2)
-        generator.stop_and_join()
-        return 2
+        generator = Generator(provider, mlx_server.LRUPromptCache(args.prompt_cache_size))
+        httpd.generator = generator
+        print(f"infer serve: listening on http://{args.host}:{httpd.server_address[1]}", flush=True)
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        rc, why = 130, "interrupted"
+    except Terminated as e:
+        rc, why = 128 + e.args[0], _WHY[e.args[0]]
     finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)  # the cleanup is not cut short
+        if httpd is not None:
+            httpd.server_close()
+        if generator is not None:
+            if g is not None:
+                source.close()
+                _leave(rc)  # the generation thread may wait on the other ranks
+            generator.stop_and_join()
         source.close()
-    _leave(0)  # everything is closed
+    if why is not None:
+        print(f"infer serve: {why}", file=sys.stderr)
+    _leave(rc)  # everything is closed
 
 
 if __name__ == "__main__":
