@@ -109,10 +109,14 @@ def test_run_prints_text_and_stats_in_mlx_lm_shape(prep_model, run_dir):
     assert re.fullmatch(r"Prompt: \d+ tokens, [\d.]+ tokens-per-sec", tail[0]), tail
     assert re.fullmatch(r"Generation: 8 tokens, [\d.]+ tokens-per-sec", tail[1]), tail
     assert re.fullmatch(r"Peak memory: [\d.]+ GB", tail[2]), tail
-    assert re.fullmatch(r"Experts: \d+ hits, \d+ misses, .+ read, [\d.]+ s stalled; peak RSS [\d.]+ GB",
-                        tail[3]), tail
+    assert re.fullmatch(r"Experts: \d+ hits, \d+ misses in the session's cache; .+ copied into it, "
+                        r"[\d.]+ s waiting for records", tail[3]), tail
+    assert re.fullmatch(r"Disk: .+ read by iod for this session \(its private daemon\)", tail[4]), tail
+    assert tail[5].startswith("Memory: peak RSS "), tail
     # within the gate's warm-up: every pass predicted (the prompt's last token, 7 steps, one past)
-    assert tail[4] == "Prediction: on in 9 of 9 decode passes", tail
+    assert tail[6] == ("Prediction (hinting iod the next layers' likely experts): on in 9 of 9 "
+                       "decode passes"), tail
+    assert tail[7].startswith("Settings: dtype float32 (auto: the folder's); expert cache "), tail
     assert r.stderr == ""
 
     quiet = run_cli(["--model", prep, "-p", PROMPT, "-m", "8", "--verbose", "False"])
@@ -128,9 +132,10 @@ def test_stats_tell_what_the_prediction_gate_decided():
     probe = {"on_s": 0.03, "off_s": 0.02, "off_over_on": 0.8, "pairs": [0.8] * 3, "on": False}
     gate = {"mode": "auto", "on": False, "passes_on": 40, "passes_off": 119, "probes": [probe]}
     assert stats_lines({**base, "gate": gate})[-1] == (
-        "Prediction: on in 40 of 159 decode passes; the last probe left it off "
-        "(a pass without it took 0.80x the time of one with it)")
-    assert stats_lines(base)[-1].startswith("Experts: ")  # no gate (depth 0), no line
+        "Prediction (hinting iod the next layers' likely experts): on in 40 of 159 decode passes; "
+        "the last probe timed decode passes with and without it: without took 0.80x the time, "
+        "so it is off")
+    assert stats_lines(base)[-1].startswith("Memory: ")  # no gate (depth 0), no line
 
 
 def test_python_api_works_with_mlx_lm_generate(synth_model, prep_model, run_dir):
@@ -364,8 +369,8 @@ def test_mlx_lm_sampling_flags_give_mlx_lm_samples(synth_model, prep_model, run_
                  "--top-k", "20", "--min-p", "0.02", "--seed", "7", "--max-kv-size", "16",
                  "--dtype", "float32", "--json"])
     assert r.returncode == 0, r.stderr
+    mx.random.seed(7)  # before the load, as mlx_lm.generate: building the model draws from it
     model, tokenizer = mlx_load(str(src))
-    mx.random.seed(7)
     sampler = make_sampler(0.8, 0.95, 0.02, top_k=20)
     ref = [x.token for x in stream_generate(model, tokenizer, encode_prompt(tokenizer, PROMPT),
                                             max_tokens=24, sampler=sampler, max_kv_size=16)]
