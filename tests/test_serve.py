@@ -191,7 +191,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, prep_model):
     for args in (["--model", str(tmp_path), "--port", "0"], ["--model", prep, "--port", "70000"],
                  ["--model", prep, "--temp", "-1"], ["--model", prep, "--top-p", "7"],
                  ["--model", prep, "--max-tokens", "0"], ["--model", prep, "--dtype", "int4"],
-                 ["--model", prep, "--chat-template-args", "[1, 2]"], ["--model", prep, "--iod", ""]):
+                 ["--model", prep, "--chat-template-args", "[1, 2]"], ["--model", prep, "--iod", ""],
+                 ["--model", prep, "--top-k", "1024"], ["--model", prep, "--max-body", "lots"],
+                 ["--model", prep, "--max-context", "0"]):
         r = subprocess.run([sys.executable, "-m", "infer.cli", "serve", *args],
                            capture_output=True, text=True, timeout=60)
         lines = r.stderr.strip().splitlines()
