@@ -20,7 +20,6 @@ if [ ! -d "$dst" ]; then
     out=$(.venv/bin/infer prep --model "$src" --out "$dst" --no-progress)
     echo "${out%%$'\n'*}"
 fi
-echo
 echo "The weights of $src are random: the text below is noise, made the way a real model's would be."
 echo
 .venv/bin/infer run --model "$dst" --prompt "${PROMPT:-Write a short story about a lighthouse.}" --max-tokens "${MAX_TOKENS:-64}"
@@ -28,7 +27,6 @@ echo
 # that work from where the quickstart was started.
 here() { case "$1" in /*) echo "$1" ;; *) [ "$caller" = "$PWD" ] && echo "$1" || echo "$PWD/$1" ;; esac; }
 echo
-echo "For real text, prep a real model (README.md: 'A real model'). infer and iod are installed"
-echo "in .venv, not on PATH: activate it, and the commands in README.md work:"
+echo "infer is in .venv, not on PATH: activate it, and README.md's commands work ('A real model' for real text):"
 printf '    source %q\n' "$(here .venv/bin/activate)"
 printf '    infer run --model %q -p "Why is the sky blue?"\n' "$(here "$dst")"
