@@ -237,8 +237,9 @@ class _Tracked:
 class _Guarded:
     """A request's sampler or logits processor: one that raises fails its
     request alone (the batch computes the rest unchanged) instead of the
-    batch, and leaves MLX's random state as it was (a compiled sampler that
-    raised left it unusable for every later sampled request)."""
+    batch, and MLX's random state is seeded again from the key it had (a
+    compiled sampler that raised left it unusable for every later sampled
+    request)."""
 
     def __init__(self, fn, args, fallback):
         self.fn, self.args, self.fallback = fn, args, fallback
@@ -251,7 +252,7 @@ class _Guarded:
                 return self.fn(*a)
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 hi, lo = key.tolist()
-                mx.random.seed((hi << 32) | lo)  # the state cannot be set back, only seeded
+                mx.random.seed((hi << 32) | lo)  # it cannot be set back, only seeded
                 self.failed = True
                 logging.error(f"infer serve: a request failed ({type(e).__name__}: {e})")
                 tracked = getattr(self.args, "tracked", None)
