@@ -206,7 +206,7 @@ def test_the_store_misses_what_its_simulated_policy_misses(prep_model, fraction)
     source = InprocSource(prep, arena=64 << 20)
     model, tok, store = load_streaming(prep, source, None)
     store.cache_bytes = int(source.manifest.expert_bytes * fraction)
-    store.depth = 0
+    store.prefetcher.depth = 0
     store.trace = []
     decode(model, tok.encode("Hello there, lighthouse"), forced_ids(tok, 24), 24, store)
     source.close()

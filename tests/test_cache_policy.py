@@ -86,7 +86,7 @@ def test_live_stack_misses_what_its_simulation_misses(arch, trained_model, train
     try:
         model, tok, store = load_streaming(prep, source, 0, dtype=mx.float32, preload=False)
         ids = heldout_ids(trained_model(arch), tok)[200:]
-        store.depth = 0
+        store.prefetcher.depth = 0
         for fraction in (0.05, 0.10, 0.25):
             store.stacks = {}
             store.stats["misses"] = 0
@@ -265,7 +265,7 @@ def test_whole_layers_from_the_preload_equal_mlx_lm(arch, tmp_path, trained_mode
             out = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=16)]
             assert out == ref
             assert store.stats["misses"] > 0
-            assert not gathered & whole and not set(store._predicted) & whole
+            assert not gathered & whole and not set(store.prefetcher._predicted) & whole
             traces.append(store.routing_trace())
         assert traces[0] == traces[1] and {l for l, _ in traces[0]} == {l.layer for l in cached}
     finally:
@@ -289,7 +289,7 @@ def test_no_guesses_for_whole_layers(tmp_path, trained_model, trained_prep):
             stack.position.pop(next(iter(stack.position)))
             assert not stack.complete
         x = mx.random.normal((1, 1, model.args.hidden_size))
-        guessed = [g[0] for g in store.predict(layers[0], x)]
+        guessed = [g[0] for g in store.prefetcher.predict(layers[0], x)]
         assert guessed == [layers[2]]
     finally:
         source.close()

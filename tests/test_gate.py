@@ -156,17 +156,17 @@ def test_slow_prediction_is_turned_off_and_ids_stay_mlx_lms(trained_model, train
     source = InprocSource(prep)
     try:
         streamed, _, store = load_streaming(prep, source, cache_bytes=int(source.manifest.expert_bytes * 0.25))
-        store.depth = 3
-        predict, called = store.predict, []
+        store.prefetcher.depth = 3
+        predict, called = store.prefetcher.predict, []
 
         def slow(layer, x):
-            called.append(store.gate.on)
+            called.append(store.prefetcher.gate.on)
             time.sleep(0.02)
             return predict(layer, x)
 
-        store.predict = slow
+        store.prefetcher.predict = slow
         assert [t for t, _ in generate_step(mx.array(ids), streamed, max_tokens=n)] == ref
-        stats = store.gate.stats()
+        stats = store.prefetcher.gate.stats()
         assert not stats["on"] and stats["probes"][0]["off_over_on"] < 1 - gate.MARGIN
         assert stats["passes_off"] >= gate.PAIRS * gate.WINDOW + 15
         assert all(called)  # no guesses while off

@@ -113,7 +113,7 @@ def record_source_calls(store):
     """Log the store's streamed calls and its source's hints and fetches:
     ("call", layer), ("hint", [(layer, calls ahead)]), ("fetch", layer)."""
     log, source = [], store.source
-    begin, hint, fetch = store.begin_call, source.prefetch_many, source.fetch_into
+    begin, hint, fetch = store.prefetcher.begin_call, source.prefetch_many, source.fetch_into
 
     def begin_call(layer, rows):
         log.append(("call", layer))
@@ -127,7 +127,7 @@ def record_source_calls(store):
         log.append(("fetch", layer))
         return fetch(layer, experts, sink)
 
-    store.begin_call, source.prefetch_many, source.fetch_into = begin_call, prefetch_many, fetch_into
+    store.prefetcher.begin_call, source.prefetch_many, source.fetch_into = begin_call, prefetch_many, fetch_into
     return log
 
 
@@ -162,8 +162,8 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
     source = InprocSource(folder)
     try:
         streamed, _, store = load_streaming(folder, source, cache_bytes=int(source.manifest.expert_bytes * 0.25))
-        store.depth = 3
-        assert store.calibration is not None
+        store.prefetcher.depth = 3
+        assert store.prefetcher.calibration is not None
         log = record_source_calls(store)
         assert greedy(streamed, ids) == ref
         assert store.stats["prefetched"] > 0
@@ -184,7 +184,7 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
                 merged += any(kind == "hint" and (layer, 0) in arg and any(l > layer for l, _ in arg)
                               for kind, arg in entries[:at])
         assert early > 0 and merged > 0
-        assert store.prediction_stats()[1]["recall"] > 0.5
+        assert store.prefetcher.prediction_stats()[1]["recall"] > 0.5
         assert source.stats()["counters"]["prefetches"] > 0
     finally:
         source.close()
@@ -213,7 +213,7 @@ def test_unused_prefetch_is_counted(calibrated):
     one used, two unused, their bytes counted."""
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
         rec = store.layouts[1].record_bytes
-        store.prefetch([(1, 1, mx.array([[3, 4, 5]]), None, 3)])
+        store.prefetcher.prefetch([(1, 1, mx.array([[3, 4, 5]]), None, 3)])
         assert store.stats["prefetched"] == 3 and store.stats["prefetched_bytes"] == 3 * rec
         store.gather(1, np.array([3, 9]))
         assert store.stats["prefetch_used"] == 1
@@ -229,7 +229,7 @@ def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
     hinted and still being read (late), guessed but left out of the plan
     (unplanned), never guessed (cold); a prefill's misses are not counted."""
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
-        store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
+        store.prefetcher.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
         # the in-process core ends a read when it is polled: layer 1's are being read
         split = lambda: {k: store.stats["miss_" + k] for k in MISS_KINDS}
         store.gather(1, np.array([3, 9]), decode=True)
@@ -241,8 +241,8 @@ def test_a_calls_misses_are_counted_by_how_they_were_found(calibrated):
         store.gather(2, np.array([5, 7]), decode=True)
         assert split() == {"ready": 1, "late": 1, "unplanned": 0, "cold": 2}
         # guesses used by none of the calibration's calls: scored, not read
-        store.prefetch([(3, 1, mx.array([[10, 11]]), np.zeros(2), 2)])
-        assert 3 not in store._hinted
+        store.prefetcher.prefetch([(3, 1, mx.array([[10, 11]]), np.zeros(2), 2)])
+        assert 3 not in store.prefetcher._hinted
         store.gather(3, np.array([10, 12]), decode=True)
         assert split() == {"ready": 1, "late": 1, "unplanned": 1, "cold": 3}
         store.gather(0, np.arange(16))
@@ -255,10 +255,10 @@ def test_a_calls_guesses_go_in_one_message(calibrated):
     reads the nearest depth only)."""
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
         sent = source.counters["prefetch_hints"]
-        store.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
+        store.prefetcher.prefetch([(1, 1, mx.array([[3, 4]]), None, 2), (2, 1, mx.array([[5, 6]]), None, 2)])
         assert source.counters["prefetch_hints"] == sent + 1
         assert store.stats["prefetched"] == 4
-        assert store._hinted == {1: {3, 4}, 2: {5, 6}}
+        assert store.prefetcher._hinted == {1: {3, 4}, 2: {5, 6}}
         assert source.stats()["counters"]["prefetches"] == 1
         # each being read (the core runs in this thread: a read ends when it is
         # polled), or ready already
@@ -273,12 +273,12 @@ def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
     32-token prefill's guesses are scored, not read."""
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
         verify = mx.arange(32).reshape(1, 4, 8)
-        store.prefetch([(1, 1, verify, None, 8)])
+        store.prefetcher.prefetch([(1, 1, verify, None, 8)])
         assert store.stats["prefetched"] == 32
         prefill = mx.arange(32 * 8).reshape(1, 32, 8) % 64
-        store.prefetch([(2, 1, prefill, None, 8)])
+        store.prefetcher.prefetch([(2, 1, prefill, None, 8)])
         assert store.stats["prefetched"] == 32
-        assert store._predicted[2][1] == (set(range(64)), False)
+        assert store.prefetcher._predicted[2][1] == (set(range(64)), False)
 
 
 def test_plan_reads_what_fits_in_time():
@@ -312,10 +312,10 @@ def test_uncalibrated_store_guesses_with_the_loaded_routers(trained_prep, traine
     source = InprocSource(folder)
     try:
         model, tok, store = load_streaming(folder, source, cache_bytes=0)
-        assert store.calibration is None
+        assert store.prefetcher.calibration is None
         ids = tok.encode((trained_model("qwen3_moe") / "heldout.txt").read_text())[:16]
         greedy(model, ids, n=24)
-        assert store.prediction_stats()[1]["recall"] > 0.5
+        assert store.prefetcher.prediction_stats()[1]["recall"] > 0.5
     finally:
         source.close()
 
@@ -340,15 +340,15 @@ def test_guesses_past_the_breadth_are_read_in_spare_time_only(calibrated):
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
         use = np.array([0.9] * 4 + [0.5] * 4)  # ranks 4-7 used half the time, past a breadth of 4
         ids = mx.array([[0, 1, 2, 3, 4, 5, 6, 7]])
-        store.layer_s = 1.0
-        store.disk_rate = 6 * store.layouts[1].record_bytes  # 6 records a layer's compute: half is 3
-        store.prefetch([(1, 1, ids, use, 4)])
+        store.prefetcher.layer_s = 1.0
+        store.prefetcher.disk_rate = 6 * store.layouts[1].record_bytes  # 6 records a layer's compute: half is 3
+        store.prefetcher.prefetch([(1, 1, ids, use, 4)])
         assert store.stats["prefetched"] == 4  # the guess alone: ranks 4-7 would pass half
         store.reset_stats()
-        store.disk_rate = 20 * store.layouts[2].record_bytes  # half is 10: all eight
-        store.prefetch([(2, 1, ids, use, 4)])
+        store.prefetcher.disk_rate = 20 * store.layouts[2].record_bytes  # half is 10: all eight
+        store.prefetcher.prefetch([(2, 1, ids, use, 4)])
         assert store.stats["prefetched"] == 8
-        assert store._predicted[2][1] == ({0, 1, 2, 3}, True)  # scored: the guess
+        assert store.prefetcher._predicted[2][1] == ({0, 1, 2, 3}, True)  # scored: the guess
 
 
 def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
@@ -359,21 +359,21 @@ def test_layer_time_runs_router_to_router_less_io(calibrated, monkeypatch):
     from infer.runtime import streaming
 
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
-        first, _, third, *_ = sorted(store.routers)
+        first, _, third, *_ = sorted(store.prefetcher.routers)
         now = [100.0]
         monkeypatch.setattr(streaming.time, "monotonic", lambda: now[0])
-        store.CLOCK_DECAY = 0.0  # the last figure alone
-        store.clock(first, True)
+        store.prefetcher.CLOCK_DECAY = 0.0  # the last figure alone
+        store.prefetcher.clock(first, True)
         now[0] += 0.010
         store.io_s += 0.004  # waited for reads: the disk was busy with them
-        store.clock(third, True)  # two layers on
-        assert store.layer_s == pytest.approx(0.003)
+        store.prefetcher.clock(third, True)  # two layers on
+        assert store.prefetcher.layer_s == pytest.approx(0.003)
         now[0] += 0.050
-        store.clock(first, True)  # the next token: not a layer's time
-        assert store.layer_s == pytest.approx(0.003)
+        store.prefetcher.clock(first, True)  # the next token: not a layer's time
+        assert store.prefetcher.layer_s == pytest.approx(0.003)
         now[0] += 0.020
-        store.clock(third, False)  # a prefill's call
-        assert store.layer_s == pytest.approx(0.003)
+        store.prefetcher.clock(third, False)  # a prefill's call
+        assert store.prefetcher.layer_s == pytest.approx(0.003)
 
 
 def test_a_calls_linear_guesses_are_one_sort_and_read_back_with_its_ids(calibrated):
@@ -381,17 +381,17 @@ def test_a_calls_linear_guesses_are_one_sort_and_read_back_with_its_ids(calibrat
     read back in the call's one sync: the same ids, per layer and depth, as
     each map applied on its own."""
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
-        cal = store.calibration
+        cal = store.prefetcher.calibration
         for (m, d) in list(cal.choice):  # every layer and depth linear, with its measured ranks
             cal.choice[(m, d)] = ("linear", cal.choice[(m, d)][1])
-        layer = min(store.next_layers)
+        layer = min(store.prefetcher.next_layers)
         module = store.layouts[layer].module
         x = mx.random.normal((1, 2, 128), key=mx.random.key(3))
         indices = mx.array([[[1, 2], [3, 4]]], dtype=mx.uint32)
-        guesses = store.predict(layer, x)
+        guesses = store.prefetcher.predict(layer, x)
         assert [g[:2] for g in guesses] == [(layer + d, d) for d in (1, 2, 3)]
         assert len({id(g[2][0]) for g in guesses}) == 1  # one sorted array for the three
-        ids, read = store.read_guesses(indices, guesses)
+        ids, read = store.prefetcher.read_guesses(indices, guesses)
         assert ids.tolist() == [[[1, 2], [3, 4]]]
         for nxt, d, got, use, breadth in read:
             w, b = cal.maps[(module, store.layouts[nxt].module)]
@@ -406,8 +406,8 @@ def test_equal_guesses_are_read_best_rank_first_when_time_is_short(calibrated):
     best rank over a call's rows, cached and hinted ones left out."""
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
         rec = store.layouts[1].record_bytes
-        store.disk_rate, store.layer_s = 4 * rec, 1.0  # four records a layer call
+        store.prefetcher.disk_rate, store.prefetcher.layer_s = 4 * rec, 1.0  # four records a layer call
         store.stack(1).assign([40], set())  # cached: not read
         # expert 9 at ranks 4 and 0, 40 cached; of rank 2, 22 and 32 tie (the lower id goes)
-        store.prefetch([(1, 1, mx.array([[40, 21, 22, 23, 9], [9, 31, 32, 33, 34]]), None, 5)])
-        assert sorted(store._hinted[1]) == [9, 21, 22, 31]
+        store.prefetcher.prefetch([(1, 1, mx.array([[40, 21, 22, 23, 9], [9, 31, 32, 33, 34]]), None, 5)])
+        assert sorted(store.prefetcher._hinted[1]) == [9, 21, 22, 31]

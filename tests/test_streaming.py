@@ -122,7 +122,7 @@ def test_prediction_is_scored_per_depth(synth_model, prep_model):
     source = InprocSource(prep, arena=64 << 20)
     model, tokenizer, store = load_streaming(prep, source, 0)
     greedy(model, tokenizer.encode(PROMPT), n=8)
-    stats = store.prediction_stats()
+    stats = store.prefetcher.prediction_stats()
     assert set(stats) == {1, 2, 3}  # the default depth
     for row in stats.values():
         assert 0.0 <= row["recall"] <= 1.0 and 0.0 < row["precision"] <= 1.0
@@ -232,7 +232,7 @@ def test_a_decode_call_copies_its_misses_in_at_the_next_sync(synth_model, prep_m
     monkeypatch.setattr(source, "fetch_into", logged_fetch)
     assert greedy(model, ids, n=24) == expected
     assert not store._pending
-    last = max(store.routers)  # (a qwen3_next's MTP layer runs only when drafting)
+    last = max(store.prefetcher.routers)  # (a qwen3_next's MTP layer runs only when drafting)
     deferred = 0
     for i, (kind, layer, n) in enumerate(events):
         if kind != "fetch":

@@ -218,7 +218,7 @@ def test_the_replay_of_a_sessions_own_trace_misses_what_it_missed(prep_model, tm
     source = InprocSource(prep, arena=64 << 20)
     model, tok, store = load_streaming(prep, source, None)
     store.cache_bytes = int(source.manifest.expert_bytes * 0.25)
-    store.depth = 0
+    store.prefetcher.depth = 0
     store.trace = []
     decode(model, tok.encode("Hello there, lighthouse"), forced_ids(tok, 16), 16, store)
     source.close()

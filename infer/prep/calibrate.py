@@ -137,7 +137,7 @@ def calibrate_folder(folder, text_path, n_tokens=DEFAULT_TOKENS) -> Calibration:
     source = make_source(folder, "inproc")
     try:
         model, tokenizer, store = load_streaming(folder, source)
-        store.depth = 0
+        store.prefetcher.depth = 0
         experts = {l.module: l.num_experts for l in store.manifest.layers if not l.module.startswith("mtp.")}
         tokens = tokenizer.encode(data.decode("utf-8"))[:n_tokens]
         if len(tokens) < 8:
@@ -163,7 +163,7 @@ def count_usage(folder, text, max_tokens=CALIBRATION_TOKENS):
     source = make_source(folder, "inproc")
     try:
         model, tok, store = load_streaming(folder, source, dtype=mx.float32, preload=False)
-        store.depth = 0
+        store.prefetcher.depth = 0
         store.trace = []
         ids = tok.encode(text, add_special_tokens=False)[:max_tokens]
         cache = make_prompt_cache(model)

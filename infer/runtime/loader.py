@@ -127,7 +127,7 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
                         usage=usage if whole_layers else None,
                         top_k=top_k(model_dir))
     store.dtype = dtype
-    store.set_disk(model_dir)
+    store.prefetcher.set_disk(model_dir)
     if any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):
         # A streamed layer syncs at its router. On an NVIDIA H200
         # (2026-12-02, 7a849c3) a sync cost ~0.5 ms with MLX CUDA's graphs and ~0.2 ms

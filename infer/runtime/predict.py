@@ -3,7 +3,7 @@
 Predictors, each a guess for MoE layer L+d made at layer L's MoE block:
 
 - ``router``: layer L+d's router applied to layer L's MoE-block input (what
-  ``ExpertStore.predict`` does without a calibration);
+  ``Prefetcher.predict`` does without a calibration);
 - ``linear``: a least-squares linear map from layer L's MoE-block input to
   layer L+d's router logits, fitted on a calibration text (ridge regularized);
 - ``temporal``: the experts layer L+d used for the previous token.

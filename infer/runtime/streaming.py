@@ -19,10 +19,8 @@ temporary compact stack.
 """
 
 import copy
-import math
 import threading
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,11 +32,11 @@ import native
 from shared.blob import NUMPY_DTYPES
 from shared.source import Batch
 
-from infer.runtime import predict
 from infer.runtime.placement import Placement
 from infer.runtime.budget import cached_layers, split_cache
 from infer.runtime.client import DaemonDead
 from infer.runtime.gate import PredictionGate
+from infer.runtime.prefetch import DECODE_ROWS, Prefetcher
 
 _MX_DTYPES = {
     "uint32": mx.uint32,
@@ -88,11 +86,6 @@ def copy_mode() -> str:
     if mx.default_device() == mx.cpu or mx.metal.is_available():
         return "host"
     return "cuda" if native.cuda_available() else "staged"
-
-
-# the highest use a guess past its predictor's breadth is planned with: below
-# predict.MIN_USE, so such guesses are read in spare disk time only
-SPARE_ONLY = math.nextafter(predict.MIN_USE, 0.0)
 
 
 class LayerStack(Placement):
@@ -182,30 +175,16 @@ def staged(layout, batch, cast=None, segments=None):
 
 
 class ExpertStore:
-    """Serves experts to the streaming modules: layer stacks first, then the source.
+    """The session's expert cache: serves experts to the streaming modules from
+    per-layer stacks first, then from the source.
 
-    ``source`` is a ``shared.source.ExpertSource``: ``infer.runtime.client.IodClient``
-    (through the user's daemon) or ``iod.inproc.InprocSource`` (the same core
-    in this process). ``cache_bytes`` is split over the stacks of the
-    ``cached`` layers (default: all) by ``infer.runtime.budget.split_cache``: evenly,
-    or with whole layers where a calibration's ``usage`` says they pay. With
-    ``depth > 0`` each MoE layer also guesses the experts of the next
-    ``depth`` layers from its own input, and hints the source to prefetch
-    the guesses worth reading (``plan``). The guesses are the next layers'
-    routers applied to that input, or with a ``calibration``
-    (``infer.runtime.predict``, from ``infer prep --calibrate``) the predictor and
-    breadth it chose per layer and depth. ``gate`` (``infer.runtime.gate``) turns
-    prediction off while decode passes run faster without it.
-    """
-
-    # rows (tokens) of a decode-sized call: one token, or a verify pass of up
-    # to 7 drafts; a longer call is a prefill, whose next layers need most
-    # experts anyway (reading them all ahead would crowd out demand)
-    DECODE_ROWS = 8
-    MIN_PRECISION = 0.25  # of guesses, for prefetch to go on (see prefetch_pays)
-    PREFETCH_WARMUP = 64  # guessed experts scored before the precision decides
-    PRECISION_DECAY = 0.99  # per scored guess set: prefetch_pays follows the last ~100
-    CLOCK_DECAY = 0.9  # per decode-sized layer call: the compute time follows the last ~10
+    ``source`` is a ``shared.source.ExpertSource`` (``make_source``).
+    ``cache_bytes`` is split over the stacks of the ``cached`` layers
+    (default: all) by ``infer.runtime.budget.split_cache``: evenly, or with
+    whole layers where a calibration's ``usage`` says they pay. Its
+    ``prefetcher`` (``infer.runtime.prefetch``) guesses the next layers'
+    experts and hints the source to read them ahead; ``depth`` and
+    ``calibration`` are its."""
 
     def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None, cached=None,
                  usage=None, top_k=8):
@@ -219,23 +198,9 @@ class ExpertStore:
         self.capacity = split_cache([self.layouts[l] for l in sorted(self.cached)], cache_bytes,
                                     usage, top_k)  # layer -> positions
         self.stacks = {}
-        self.depth = depth
-        self.calibration = calibration  # an infer.runtime.predict.Calibration, or None
-        # (layer, next layers) -> their linear maps side by side (W, b), as
-        # MLX arrays, made on first use
-        self._maps = {}
-        self.routers = {}  # layer -> (router module, top k)
-        self.next_layers = {}  # layer -> the MoE layers after it, in order
-        self._order = {}  # layer -> its place among them
         self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
         self.trace = None  # set to a list to record each call's experts (routing_trace)
         self.profiler = None  # an infer.tools.profile.Profiler: per-layer spans
-        # bytes/s the source reads at: set from the `iod doctor` profile
-        # (set_disk) or by the caller; else measured on demand reads
-        self.disk_rate = None
-        self.disk_ceiling = None  # iod doctor's best rate for that disk (bytes/s)
-        self.layer_s = None  # decayed time per MoE layer less its IO waits (decode-sized calls)
-        self._recent = {}  # layer -> the experts of its last call of one token's size (<= 2 top-k)
         self._asides = {}  # layout's shape -> the stack one-token calls' bypassed experts go to
         # a token computes its cached experts while its misses are read
         # (StreamingExperts._hits_first), where that pays: on the CPU, where
@@ -255,7 +220,8 @@ class ExpertStore:
         # sync). Not across threads: MLX evaluates a graph only with the
         # streams of its own thread (the lockstep's threads take turns)
         self.last_output = None
-        self.gate = PredictionGate()  # whether prediction pays its host time (measured)
+        # guesses of the next layers' experts and the hints to read them ahead
+        self.prefetcher = Prefetcher(self, depth, calibration)
         self.reset_stats()
 
     def reset_stats(self):
@@ -274,18 +240,8 @@ class ExpertStore:
                       # the part of it that is prediction: the next layers' guesses,
                       # the prefetch plan and its hints
                       "host_s": 0.0, "predict_s": 0.0}
-        # per depth: [true positives, predicted, actual]
-        self.prediction = [[0, 0, 0] for _ in range(max(self.depth, 3) + 1)]
-        self._predicted = {}  # layer -> {depth: (set of experts, prefetchable)}
-        # per depth: decayed [right, guessed] of prefetchable (decode-sized)
-        # guesses, which decide whether prefetch pays (prefill's are left out:
-        # guessing most of a layer is always right and says nothing)
-        self._precision = [[0.0, 0.0] for _ in range(max(self.depth, 3) + 1)]
-        self._hinted = {}  # layer -> experts hinted for its next call
-        self._mark = None  # (time, IO seconds, layer) at the last streamed call's router
         self.io_s = 0.0  # seconds spent in fetches (stall and copy)
-        self._read = [0.0, 0.0]  # decayed [bytes, seconds] of demand reads
-        self._last_layer = None  # the layer of the last streamed call
+        self.prefetcher.reset_stats()
 
     def use(self, source):
         """Serve from ``source`` (an ``ExpertSource``) from now on: a
@@ -298,7 +254,7 @@ class ExpertStore:
         long session's steady state). For a benchmark's next run."""
         if not keep_cache:
             self.stacks = {}
-            self.gate = PredictionGate(self.gate.mode)
+            self.prefetcher.gate = PredictionGate(self.prefetcher.gate.mode)
         self.reset_stats()
         self.trace = []
 
@@ -314,273 +270,12 @@ class ExpertStore:
         return all(l.layer in self.stacks and self.stacks[l.layer].complete
                    for l in cached_layers(self.manifest))
 
-    def set_routers(self, routers):
-        self.routers = routers
-        order = sorted(routers)
-        self.next_layers = {l: order[i + 1 :] for i, l in enumerate(order)}
-        self._order = {l: i for i, l in enumerate(order)}
-
-    def set_disk(self, folder):
-        """The read rate of the disk ``folder``'s blobs lie on, as `iod doctor`
-        measured it at the daemon's queue depth (its knee); None if unprofiled."""
-        from shared import disk
-
-        layout = next(iter(self.layouts.values()), None)
-        prof = disk.for_path(Path(folder) / layout.file) if layout is not None else None
-        self.disk_rate = prof.rate(prof.knee) if prof is not None else None
-        self.disk_ceiling = prof.ceiling if prof is not None else None
-        return self.disk_rate
-
     def routing_trace(self):
         """[(layer, experts as a sorted tuple)] of the calls since ``trace``
         was set, in call order. A whole layer's calls were kept as their
         routed ids (an MLX array), read here: its call must not sync."""
         return [(l, e if isinstance(e, tuple) else tuple(sorted(set(np.array(e).ravel().tolist()))))
                 for l, e in self.trace or []]
-
-    def predict(self, layer, x):
-        """Lazy guesses for the next layers: [(layer, depth, ids, use per rank
-        or None, breadth)]. The predictor's guess is the first ``breadth`` ids;
-        where the calibration measured how often each rank is used, the ids go
-        on to its last measured rank (reads for spare disk time:
-        ``predict.plan``). ``ids``, best first, are numpy (the recent
-        experts) or lazy, (MLX array [rows, guesses, ranks], j, n): the first
-        n ranks of its guess j, read back by ``read_guesses``. The linear maps
-        of one call go as one matmul and one sort: on MLX CUDA each op is a
-        kernel launch, and a call guesses up to ``depth`` layers."""
-        out, linear = [], {}  # linear: experts -> [(place in out, next layer, ranks)]
-        cal = self.calibration
-        module = self.layouts[layer].module if layer in self.layouts else None
-        rows = x.size // x.shape[-1]
-        for d, nxt in enumerate(self.next_layers.get(layer, [])[: self.depth], 1):
-            if nxt in self.stacks and self.stacks[nxt].complete:
-                continue  # a whole layer: nothing to read, nothing to score
-            router, k = self.routers[nxt]
-            name, breadth = cal.choice.get((module, d), ("router", k)) if cal else ("router", k)
-            use = cal.use.get((module, d, name)) if cal else None
-            recent = self._recent.get(nxt) if name == "temporal" else None
-            if name == "temporal" and recent is None:
-                name, use = "router", None
-            if name == "linear" and (module, self.layouts[nxt].module) not in cal.maps:
-                name, use, breadth = "router", None, k  # fitted for other layers (an MTP head's)
-            wide = max(breadth, len(use)) if use is not None else breadth
-            if name == "linear":
-                linear.setdefault(self.layouts[nxt].num_experts, []).append((len(out), nxt, wide))
-                ids = None
-            elif name == "temporal":
-                ids = np.array(recent)[None]
-                breadth = len(recent)  # the recent experts are the guess, all of them
-            else:
-                scores = router(x)
-                if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
-                    ids, use = scores[0], None
-                    ids = (ids.reshape(rows, 1, ids.shape[-1]), 0, ids.shape[-1])
-                else:
-                    ids = (predict.ranked(scores, wide).reshape(rows, 1, wide), 0, wide)
-            out.append((nxt, d, ids, use, breadth))
-        for n_experts, group in linear.items():
-            key = (layer, tuple(nxt for _, nxt, _ in group))
-            if key not in self._maps:
-                wbs = [cal.maps[(module, self.layouts[nxt].module)] for _, nxt, _ in group]
-                self._maps[key] = (mx.array(np.concatenate([w for w, _ in wbs], axis=1)),
-                                   mx.array(np.concatenate([b for _, b in wbs])))
-            w, b = self._maps[key]
-            scores = predict.linear_scores(x.reshape(rows, x.shape[-1]), w, b)
-            order = predict.ranked(scores.reshape(rows, len(group), n_experts), max(g[2] for g in group))
-            for j, (i, _, wide) in enumerate(group):
-                out[i] = (*out[i][:2], (order, j, wide), *out[i][3:])
-        return out
-
-    @staticmethod
-    def read_guesses(indices, guesses):
-        """A call's routed ``indices`` and its ``guesses``' lazy ids read back
-        in one sync (on MLX CUDA each host read of device memory costs):
-        (ids, the guesses with numpy ids)."""
-        lazy, place = [indices], {}
-        for g in guesses:
-            if isinstance(g[2], tuple) and id(g[2][0]) not in place:
-                place[id(g[2][0])] = len(lazy)
-                lazy.append(g[2][0])
-        if len(lazy) == 1:
-            return np.array(indices), guesses
-        flat = np.array(mx.concatenate([a.reshape(-1).astype(mx.uint32) for a in lazy]))
-        ends = np.cumsum([0] + [a.size for a in lazy])
-        host = [flat[a:b].reshape(arr.shape) for arr, a, b in zip(lazy, ends, ends[1:])]
-        out = []
-        for g in guesses:
-            ids = g[2]
-            if isinstance(ids, tuple):
-                arr, j, n = ids
-                ids = host[place[id(arr)]][:, j, :n]
-            out.append((*g[:2], ids, *g[3:]))
-        return host[0], out
-
-    def prefetch(self, guesses, misses=None):
-        """Score ``guesses`` when their layers are called, and hint the source
-        to read the ones ``plan`` finds worth reading in time. ``misses``,
-        (layer, experts) the calling layer waits for, go first in the same
-        message (due now: the daemon reads them as demand reads)."""
-        candidates = []
-        for layer, d, ids, use, breadth in guesses:
-            rows = np.array(ids).reshape(-1, ids.shape[-1])
-            small = rows.shape[0] <= self.DECODE_ROWS
-            # scored: the predictor's guess, not the ranks past it
-            self._predicted.setdefault(layer, {})[d] = (set(rows[:, :breadth].ravel().tolist()), small)
-            if not small or not self.prefetch_pays(d):
-                continue  # still scored: prefetch resumes if guesses improve
-            right, guessed = self._precision[d] if d < len(self._precision) else (1.0, 1.0)
-            online = right / guessed if guessed >= self.PREFETCH_WARMUP else 1.0
-            # each expert's best rank over the rows: the first it takes in
-            # rank order (built from the end: a dict keeps the last value)
-            n, width = rows.shape
-            rank = dict(zip(rows.T.ravel()[::-1].tolist(), np.repeat(np.arange(width), n)[::-1].tolist()))
-            # what a read would bring: not cached, not hinted, not ready in the arena
-            fresh = rank.keys() - self.stack(layer).position.keys() - self._hinted.get(layer, set())
-            if fresh and self.source is not None:
-                fresh = self._call("not_ready", layer, fresh)
-            for e in sorted(fresh, key=lambda e: (rank[e], e)):  # plan breaks ties in this order
-                r = rank[e]
-                p = float(use[r]) if use is not None and r < len(use) else online
-                if r >= breadth:  # past the predictor's guess: read in spare disk time only
-                    p = min(p, SPARE_ONLY)
-                candidates.append((p, d, layer, e))
-        if not candidates:
-            if misses:
-                self.start_reads(*misses)
-            return
-        rec = self.layouts[candidates[0][2]].record_bytes
-        # hints outstanding for the layers planned (the calling layer's own
-        # are being used now, and may not be counted off yet)
-        pending = sum(len(self._hinted.get(g[0], ())) for g in guesses)
-        chosen = predict.plan(candidates, self.reads_in, rec, pending)
-        by_layer = {}
-        for _, d, layer, e in chosen:
-            by_layer.setdefault((layer, d), []).append(e)
-        hints = [(layer, sorted(experts), d) for (layer, d), experts in sorted(by_layer.items())]
-        first = [(misses[0], list(misses[1]), 0)] if misses else []
-        sent = self._call("prefetch_many", first + hints)
-        for (layer, _, _), hinted in zip(hints, sent[len(first):]):
-            self._hinted.setdefault(layer, set()).update(hinted)
-            self.stats["prefetched"] += len(hinted)
-            self.stats["prefetched_bytes"] += len(hinted) * self.layouts[layer].record_bytes
-
-    def start_reads(self, layer, experts):
-        """Have the source start reading ``experts`` (a call's misses) now, so
-        they arrive while the call computes its cached experts."""
-        self._call("prefetch", layer, experts, 0)
-
-    def read_rate(self):
-        """Bytes/s reads are planned with: the profiled disk's, else the rate
-        measured on demand reads, else None (unknown: no limit)."""
-        if self.disk_rate:
-            return self.disk_rate
-        nbytes, secs = self._read
-        return nbytes / secs if secs > 0 else None
-
-    def reads_in(self, depth, record_bytes):
-        """Records the source can read before the layer ``depth`` calls ahead
-        asks for them (inf while the rate or the compute time is unmeasured)."""
-        rate = self.read_rate()
-        if rate is None or self.layer_s is None:
-            return float("inf")
-        return depth * self.layer_s * rate / record_bytes
-
-    def begin_call(self, layer, rows):
-        """At a streamed call's router, before its guesses: whether this call
-        of ``rows`` tokens predicts. A decode-sized call at a layer before the
-        last streamed call's starts a pass for the gate (timed if one token);
-        a larger call's pass is not timed. (A model with one streamed layer
-        starts no pass: its gate stays as it began.)"""
-        if self.depth == 0:
-            return False
-        if rows > self.DECODE_ROWS:
-            self.gate.discard()
-        elif self._last_layer is not None and layer < self._last_layer:
-            self.gate.start_pass(time.monotonic(), timed=rows == 1)
-        self._last_layer = layer
-        return self.gate.on
-
-    def clock(self, layer, small):
-        """At a streamed call's router, after its sync: the time since the
-        previous streamed call's router in the same pass, less the IO waited
-        for in between, per layer passed, updates ``layer_s`` for
-        decode-sized calls. That is the time the disk has for reads ahead
-        while a layer runs: its attention, its experts and the calls' host
-        work (hints go out at a call, before its own host work is done)."""
-        now = time.monotonic()
-        if self._mark is not None and small:
-            t, io, prev = self._mark
-            passed = self._order.get(layer, 0) - self._order.get(prev, 0)
-            if passed > 0:  # a later layer of the same pass
-                dt = max(now - t - (self.io_s - io), 0.0) / passed
-                a = self.CLOCK_DECAY
-                self.layer_s = dt if self.layer_s is None else a * self.layer_s + (1 - a) * dt
-        self._mark = (now, self.io_s, layer)
-
-    def prefetch_pays(self, depth):
-        """Whether guesses at ``depth`` are right often enough to be read
-        ahead: a wrong guess costs a read (and, when reads are the bottleneck,
-        a demand read's turn), a right one saves a stall. Measured, not
-        assumed: prefetch runs until ``PREFETCH_WARMUP`` guesses are scored,
-        then only while their recent precision (decode-sized guesses, decayed
-        by ``PRECISION_DECAY`` per guess) is at least ``MIN_PRECISION``."""
-        if depth >= len(self._precision):
-            return True
-        right, guessed = self._precision[depth]
-        return guessed < self.PREFETCH_WARMUP or right >= self.MIN_PRECISION * guessed
-
-    def _score(self, layer, actual):
-        """Score the guesses made for this call; returns their union."""
-        guessed = set()
-        for d, (guess, small) in self._predicted.pop(layer, {}).items():
-            guessed |= guess
-            if d >= len(self.prediction):
-                continue
-            row = self.prediction[d]
-            right = len(guess & actual)
-            row[0] += right
-            row[1] += len(guess)
-            row[2] += len(actual)
-            if small and d < len(self._precision):
-                g = self._precision[d]
-                g[0] = g[0] * self.PRECISION_DECAY + right
-                g[1] = g[1] * self.PRECISION_DECAY + len(guess)
-        return guessed
-
-    def _count_prefetch(self, layer, actual):
-        """Hinted records this call did not use: read (or queued) for nothing.
-        Returns the experts hinted for this call."""
-        hinted = self._hinted.pop(layer, None)
-        if hinted:
-            unused = len(hinted - actual)
-            self.stats["prefetch_used"] += len(hinted) - unused
-            self.stats["prefetch_unused"] += unused
-            self.stats["prefetch_unused_bytes"] += unused * self.layouts[layer].record_bytes
-        return hinted
-
-    def _count_misses(self, layer, missing, hinted, guessed):
-        """A call's misses: ready in the arena (read ahead, or left by an
-        earlier read), hinted but not read yet (late), guessed but not hinted
-        (the plan or the precision gate left them out), or never guessed."""
-        if self.source is None:
-            return
-        waiting = set(self._call("not_ready", layer, missing))
-        unhinted = waiting - hinted
-        self.stats["miss_ready"] += len(missing) - len(waiting)
-        self.stats["miss_late"] += len(waiting & hinted)
-        self.stats["miss_unplanned"] += len(unhinted & guessed)
-        self.stats["miss_cold"] += len(unhinted - guessed)
-
-    def prediction_stats(self):
-        """Recall and precision of the prediction, per depth."""
-        out = {}
-        for d, (tp, predicted, actual) in enumerate(self.prediction):
-            if actual:
-                out[d] = {
-                    "recall": tp / actual,
-                    "precision": tp / predicted if predicted else 0.0,
-                }
-        return out
 
     def gather(self, layer, wanted, split=False, decode=False, defer=False):
         """(arrays, positions, aside): tensors holding the wanted experts and
@@ -598,10 +293,7 @@ class ExpertStore:
         wanted = [int(e) for e in wanted]
         if self.trace is not None:
             self.trace.append((layer, tuple(wanted)))
-        guessed = self._score(layer, set(wanted)) if self._predicted else set()
-        hinted = self._count_prefetch(layer, set(wanted)) if self._hinted else None
-        if len(wanted) <= 2 * self.routers.get(layer, (None, len(wanted)))[1]:
-            self._recent[layer] = wanted
+        guessed, hinted = self.prefetcher.called(layer, wanted)
         stack = self.stack(layer)
         stack.tick()
         missing = [e for e in wanted if e not in stack]
@@ -613,7 +305,7 @@ class ExpertStore:
         if not missing:
             return stack.arrays, [stack.position[e] for e in wanted], None
         if decode:
-            self._count_misses(layer, missing, hinted or set(), guessed)
+            self.prefetcher.count_misses(layer, missing, hinted or set(), guessed)
         places = stack.assign(missing, set(wanted))
         bypassed = [e for e in missing if places[e] is None]
         defer = defer and stack.in_place
@@ -693,7 +385,7 @@ class ExpertStore:
                      for s in layout.segments), self.dtype)
         side = self._asides.get(key)
         if side is None or side.capacity < n:
-            k = self.routers.get(layer, (None, n))[1]
+            k = self.prefetcher.routers.get(layer, (None, n))[1]
             side = self._asides[key] = LayerStack(layout, max(n, k), self.dtype)
         side.layout = layout  # equal segments: the copies read this layer's records the same way
         return side
@@ -723,7 +415,7 @@ class ExpertStore:
             n += len(want)
         return n
 
-    def _call(self, name, *args):
+    def call_source(self, name, *args):
         """A source call that survives the death of the daemon: the client
         attaches to a fresh one (with ``iod="auto"`` it starts one if none
         runs; with a socket, a daemon restarted there) or raises DaemonDead.
@@ -748,16 +440,13 @@ class ExpertStore:
             copy(batch)
             copying[0] += time.monotonic_ns() - c0
 
-        self._call("fetch_into", layer, experts, sink)
+        self.call_source("fetch_into", layer, experts, sink)
         t2 = time.monotonic_ns()
         self.stats["stall_s"] += (t2 - t0 - copying[0]) / 1e9
         self.stats["copy_s"] += copying[0] / 1e9
         self.io_s += (t2 - t0) / 1e9
         nbytes = layout.record_bytes * len(experts)
-        # the read rate seen by demand (decayed): arena hits make it look
-        # faster, so a profiled disk (set_disk) is preferred
-        a = self.CLOCK_DECAY
-        self._read = [a * self._read[0] + nbytes, a * self._read[1] + (t2 - t0 - copying[0]) / 1e9]
+        self.prefetcher.note_read(nbytes, (t2 - t0 - copying[0]) / 1e9)
         if prof:
             prof.span("stall", layer, t0, t2 - copying[0], len(experts))
             prof.span("copy", layer, t2 - copying[0], t2, nbytes)
@@ -842,49 +531,22 @@ class StreamingExperts(nn.Module):
         self._split = {}  # activation dtype -> split_is_exact
 
     def __call__(self, x, indices):
-        store = self._store
-        stack = store.stacks.get(self._layout.layer)
+        """settle -> route (the one sync: ids and guesses) -> start the misses'
+        reads and hint the guesses -> gather -> compute."""
+        store, layer = self._store, self._layout.layer
+        stack = store.stacks.get(layer)
         if stack is not None and stack.complete:
-            # every expert resident at its own index: the resident model's
-            # call (bound here too: a stack filled by the cold-start preload
-            # is complete before the layer's first call), with no sync: a
-            # trace keeps the ids unread (ExpertStore.routing_trace)
-            store.stats["hits"] += indices.size
-            store.stats["whole_calls"] += 1
-            if store.trace is not None:
-                store.trace.append((self._layout.layer, indices))
-            self._bind(stack.arrays)
-            return self._inner(x, indices)
-        # Reading the routed ids forces evaluation up to the router: inherent
-        # to streaming, and the only sync per MoE layer. The next layers'
-        # guesses are computed right behind the ids and come back in the
-        # same read (on MLX CUDA each host read of device memory costs);
-        # their reads are planned while this call's misses are read, or,
-        # with none, while its experts compute (below). The sync evaluates
-        # the earlier calls' outputs: the misses they deferred come in first.
-        store.settle()
-        last = store.last_output
-        if last is not None and last[1] == threading.get_ident():
-            indices = mx.depends(indices, last[0])
-        prof, layer = store.profiler, self._layout.layer
-        t0 = time.monotonic_ns()
+            return self._whole(x, indices, stack)
         rows = indices.size // indices.shape[-1]
-        guesses = store.predict(layer, x) if store.begin_call(layer, rows) else []
-        t1 = time.monotonic_ns()
-        ids, guesses = store.read_guesses(indices, guesses)
-        t2 = time.monotonic_ns()
+        decode = rows <= DECODE_ROWS
+        ids, guesses, (t0, t1, t2) = self._route(x, indices, rows)
         io = store.io_s
-        if prof:  # the compute since the previous sync, up to this router
-            prof.span("host", layer, t0, t1)
-            prof.span("compute", layer, t1, t2)
         unique = sorted(set(ids.ravel().tolist()))
-        store.clock(layer, rows <= store.DECODE_ROWS)
         # a token's experts in groups (the cached first, the bypassed apart)
         # only where the backend computes each the same in any group
         split = self._split.get(x.dtype)
         if split is None:
             split = self._split[x.dtype] = split_is_exact(self._inner, self._layout, x.dtype)
-        decode = rows <= store.DECODE_ROWS
         hint_now = bool(guesses) and decode  # (a prefill's guesses are scored, not read)
         early = self._hits_first(x, ids, unique, split, start=not hint_now)
         if guesses:
@@ -892,57 +554,13 @@ class StreamingExperts(nn.Module):
         # a decode call in a forward of the whole model does not wait for
         # its misses: they are read while the next layers' graphs are built
         # (host work on MLX CUDA and Metal), and copied in at the next sync
-        stack = store.stack(layer)
-        defer = store.deferring and decode and stack.in_place
-        started = early is not None  # hits-first started the misses' reads
-        if hint_now or (defer and not started):
-            misses = [e for e in unique if e not in stack]
-            if misses and not hint_now:
-                store.start_reads(layer, misses)
-            elif misses:
-                # the misses are read first (this call or the next sync
-                # waits for them): the next layers' guesses are hinted now,
-                # a layer earlier than after its compute.
-                # While its cached experts compute (hits-first), the plan
-                # costs the misses nothing: they go in the hints' message;
-                # else their reads start first, and the plan runs while
-                # they are read
-                if early is None:
-                    store.start_reads(layer, misses)
-                    self._hint(guesses)
-                else:
-                    self._hint(guesses, (layer, misses))
-                guesses = None
+        defer = store.deferring and decode and store.stack(layer).in_place
+        if hint_now or (defer and early is None):
+            guesses = self._start_misses(unique, guesses, hint_now, early)
         one_token = ids.size == ids.shape[-1]
         arrays, positions, aside = store.gather(layer, unique, split=split and one_token, decode=decode,
                                                 defer=defer)
-        self._bind(arrays)
-        lut = self._lut  # entries of other experts are stale, and unread
-        lut[unique] = positions
-        if early is None and aside is None:
-            y = self._inner(x, mx.array(lut[ids]))
-        else:
-            # one token, its experts in groups computed apart (cached early,
-            # the rest of the stack, the bypassed ones' own stack), then put
-            # back in order: each (token, expert) product is the same either way
-            flat = ids.ravel()
-            rest = np.ones(flat.size, dtype=bool)
-            ys, slots = [], []
-            if early is not None:
-                hit, y_hit = early
-                ys.append(y_hit)
-                slots.append(np.flatnonzero(hit))
-                rest &= ~hit
-            side = np.array([e in aside[1] for e in flat.tolist()]) if aside else np.zeros_like(rest)
-            for group, group_arrays in ((rest & ~side, arrays), (rest & side, aside and aside[0])):
-                if group.any():
-                    self._bind(group_arrays)
-                    sel = np.flatnonzero(group)
-                    ys.append(self._inner(x, mx.array(lut[ids[..., sel]])))
-                    slots.append(sel)
-            order = np.argsort(np.concatenate(slots))
-            y = ys[0] if len(ys) == 1 else \
-                mx.take(mx.concatenate(ys, axis=-2), mx.array(order), axis=-2)
+        y = self._compute(x, ids, unique, arrays, positions, aside, early)
         if guesses:
             # no misses: the experts compute while the next layers' reads are
             # planned and hinted, host work off the path from router to router
@@ -950,8 +568,8 @@ class StreamingExperts(nn.Module):
             self._hint(guesses)
         t4 = time.monotonic_ns()
         store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store.io_s - io)
-        if prof:  # stall and copy spans lie inside: the summary takes them out
-            prof.span("host", layer, t2, t4)
+        if store.profiler:  # stall and copy spans lie inside: the summary takes them out
+            store.profiler.span("host", layer, t2, t4)
         # a compact or bypassed experts' stack: the graph of y holds it until
         # y is evaluated; the module must not keep it alive until the layer's
         # next call (one per layer adds up to several layers' experts)
@@ -959,11 +577,103 @@ class StreamingExperts(nn.Module):
         store.last_output = (y, threading.get_ident())
         return y
 
+    def _whole(self, x, indices, stack):
+        """Every expert resident at its own index: the resident model's call
+        (bound here too: a stack filled by the cold-start preload is complete
+        before the layer's first call), with no sync: a trace keeps the ids
+        unread (ExpertStore.routing_trace)."""
+        store = self._store
+        store.stats["hits"] += indices.size
+        store.stats["whole_calls"] += 1
+        if store.trace is not None:
+            store.trace.append((self._layout.layer, indices))
+        self._bind(stack.arrays)
+        return self._inner(x, indices)
+
+    def _route(self, x, indices, rows):
+        """The routed ids and the next layers' guesses, read back in one sync:
+        (ids, guesses, (start, guesses built, sync ended) in ns).
+
+        Reading the routed ids forces evaluation up to the router: inherent
+        to streaming, and the only sync per MoE layer. The next layers'
+        guesses are computed right behind the ids and come back in the same
+        read (on MLX CUDA each host read of device memory costs); their reads
+        are planned while this call's misses are read, or, with none, while
+        its experts compute. The sync evaluates the earlier calls' outputs:
+        the misses they deferred come in first."""
+        store, layer = self._store, self._layout.layer
+        ahead = store.prefetcher
+        store.settle()
+        last = store.last_output
+        if last is not None and last[1] == threading.get_ident():
+            indices = mx.depends(indices, last[0])
+        t0 = time.monotonic_ns()
+        guesses = ahead.predict(layer, x) if ahead.begin_call(layer, rows) else []
+        t1 = time.monotonic_ns()
+        ids, guesses = ahead.read_guesses(indices, guesses)
+        t2 = time.monotonic_ns()
+        if store.profiler:  # the compute since the previous sync, up to this router
+            store.profiler.span("host", layer, t0, t1)
+            store.profiler.span("compute", layer, t1, t2)
+        ahead.clock(layer, rows <= DECODE_ROWS)
+        return ids, guesses, (t0, t1, t2)
+
+    def _start_misses(self, unique, guesses, hint_now, early):
+        """Start reading the call's misses (unless hits-first did), hinting the
+        guesses with them where ``hint_now``; returns the guesses still to
+        hint (None once hinted)."""
+        store, layer = self._store, self._layout.layer
+        misses = [e for e in unique if e not in store.stack(layer)]
+        if misses and not hint_now:
+            store.prefetcher.start_reads(layer, misses)
+        elif misses:
+            # the misses are read first (this call or the next sync waits for
+            # them): the next layers' guesses are hinted now, a layer earlier
+            # than after its compute. While its cached experts compute
+            # (hits-first), the plan costs the misses nothing: they go in the
+            # hints' message; else their reads start first, and the plan runs
+            # while they are read
+            if early is None:
+                store.prefetcher.start_reads(layer, misses)
+                self._hint(guesses)
+            else:
+                self._hint(guesses, (layer, misses))
+            return None
+        return guesses
+
+    def _compute(self, x, ids, unique, arrays, positions, aside, early):
+        """The experts' output for ``ids`` on the gathered ``arrays``."""
+        self._bind(arrays)
+        lut = self._lut  # entries of other experts are stale, and unread
+        lut[unique] = positions
+        if early is None and aside is None:
+            return self._inner(x, mx.array(lut[ids]))
+        # one token, its experts in groups computed apart (cached early, the
+        # rest of the stack, the bypassed ones' own stack), then put back in
+        # order: each (token, expert) product is the same either way
+        flat = ids.ravel()
+        rest = np.ones(flat.size, dtype=bool)
+        ys, slots = [], []
+        if early is not None:
+            hit, y_hit = early
+            ys.append(y_hit)
+            slots.append(np.flatnonzero(hit))
+            rest &= ~hit
+        side = np.array([e in aside[1] for e in flat.tolist()]) if aside else np.zeros_like(rest)
+        for group, group_arrays in ((rest & ~side, arrays), (rest & side, aside and aside[0])):
+            if group.any():
+                self._bind(group_arrays)
+                sel = np.flatnonzero(group)
+                ys.append(self._inner(x, mx.array(lut[ids[..., sel]])))
+                slots.append(sel)
+        order = np.argsort(np.concatenate(slots))
+        return ys[0] if len(ys) == 1 else mx.take(mx.concatenate(ys, axis=-2), mx.array(order), axis=-2)
+
     def _hint(self, guesses, misses=None):
         """Plan and hint the reads of the next layers' guesses (timed as
         prediction), after this call's ``misses`` in the same message."""
         t0 = time.monotonic_ns()
-        self._store.prefetch(guesses, misses)
+        self._store.prefetcher.prefetch(guesses, misses)
         self._store.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
 
     def _hits_first(self, x, ids, unique, split, start=True):
@@ -982,7 +692,7 @@ class StreamingExperts(nn.Module):
         if hit.all() or not hit.any():
             return None
         if start:
-            store.start_reads(self._layout.layer, [e for e in unique if e not in stack])
+            store.prefetcher.start_reads(self._layout.layer, [e for e in unique if e not in stack])
         store.stats["hits_first"] += 1
         self._bind(stack.arrays)
         pos = np.array([stack.position[e] for e in ids.ravel()[hit].tolist()], dtype=np.uint32)
@@ -1038,7 +748,7 @@ def patch_model(model, manifest, store, root=None):
     part of ``model`` (an MTP head, for instance) are left for their owner.
     """
     patched = []
-    routers = dict(store.routers)
+    routers = dict(store.prefetcher.routers)
     for layout in manifest.layers:
         found = _resolve(root or model, layout.module)
         if found is None:
@@ -1049,5 +759,5 @@ def patch_model(model, manifest, store, root=None):
         router = _router(parent)
         if router is not None:
             routers[layout.layer] = router
-    store.set_routers(routers)
+    store.prefetcher.set_routers(routers)
     return patched

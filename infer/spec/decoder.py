@@ -750,7 +750,7 @@ class _Decoder:
         def counted(layer, wanted, split=False, decode=False, defer=False):
             self.union[0] += 1
             self.union[1] += len(wanted)
-            self.union[2] += n * store.routers.get(layer, (None, len(wanted)))[1]
+            self.union[2] += n * store.prefetcher.routers.get(layer, (None, len(wanted)))[1]
             return gather(layer, wanted, split, decode, defer)
 
         store.gather = counted

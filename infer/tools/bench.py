@@ -219,7 +219,7 @@ def decode(model, prompt_ids, follow, n, store=None, routing=None):
         out["aside_calls"] = delta["aside_calls"]
         out["host_s_per_token"] = delta["host_s"] / steps
         out["predict_s_per_token"] = delta["predict_s"] / steps
-        out["gate"] = store.gate.stats()
+        out["gate"] = store.prefetcher.gate.stats()
     return out
 
 
@@ -295,12 +295,12 @@ def worker(args) -> dict:
         depth = 0 if mode == "sync" else args.depth
         model, tokenizer, store = load_streaming(args.model, None, cache_bytes, dtype=mx_dtype(args.dtype),
                                                  mtp_cache=drafts_with_mtp(args.draft, args.model), group=g)
-        store.depth = depth
+        store.prefetcher.depth = depth
         if args.hits_first != "auto":
             store.hits_first = args.hits_first == "on"
-        store.gate = PredictionGate(args.predict)
+        store.prefetcher.gate = PredictionGate(args.predict)
         if args.read_rate:  # reads are capped: plan prefetch with the cap
-            store.disk_rate = min(store.disk_rate or float("inf"), args.read_rate * 1e6)
+            store.prefetcher.disk_rate = min(store.prefetcher.disk_rate or float("inf"), args.read_rate * 1e6)
 
     routing = None
     if args.routing_trace is not None:
@@ -346,7 +346,7 @@ def worker(args) -> dict:
                 run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
                 run["whole_calls"] = store.stats["whole_calls"]
                 run["trace"] = store.routing_trace()
-                run["prediction"] = store.prediction_stats()
+                run["prediction"] = store.prefetcher.prediction_stats()
                 run["source_counters"] = _source_counters(store.source)
                 run["arena_pinned"] = store.source.cuda_pinned  # before close
             if mode in ("sync", "inproc"):
@@ -442,7 +442,7 @@ def worker(args) -> dict:
         # the reader's view (whole run): reads started as prefetches, and
         # prefetched records evicted from the staging arena unused
         "source_counters": last["source_counters"],
-        "calibrated": store.calibration is not None,
+        "calibrated": store.prefetcher.calibration is not None,
         "decode_s_per_token": med(r["decode_s"] for r in runs) / max(args.max_tokens - 1, 1),
         "trace_calls": len(last["trace"]),
         # of those, calls of whole layers (the resident call: no sync)
@@ -461,7 +461,7 @@ def worker(args) -> dict:
 def read_ceiling(store, read_rate_mb):
     """Bytes/s the disk can give at best: the doctor's ceiling for the model's
     disk, lowered to ``--read-rate`` (MB/s) where that caps the reads."""
-    rates = [r for r in (store.disk_ceiling, read_rate_mb * 1e6 if read_rate_mb else None) if r]
+    rates = [r for r in (store.prefetcher.disk_ceiling, read_rate_mb * 1e6 if read_rate_mb else None) if r]
     return min(rates) if rates else None
 
 

@@ -464,5 +464,5 @@ def plot_cdf(samples, path, by_kind=None):
 def attach(store, client) -> Profiler:
     """Profile ``store``'s layers and ``client``'s requests from now on."""
     client.profile = True
-    store.profiler = Profiler(client, store.disk_ceiling)
+    store.profiler = Profiler(client, store.prefetcher.disk_ceiling)
     return store.profiler

@@ -12,7 +12,7 @@ predictor's recall and precision per depth.
 Predictors are functions in ``PREDICTORS``: ``(capture, target) -> scores``
 (or ids) for the target layer from what the source layer saw; add one there
 and every report has it. ``moe_input`` is what prefetch does today
-(``ExpertStore.predict``): layer L+d's router applied to layer L's MoE-block
+(``Prefetcher.predict``): layer L+d's router applied to layer L's MoE-block
 input. ``pre_attention`` applies layer L+d's router, after its own
 post-attention norm, to the residual stream entering layer L (depth 0 is
 then a guess of layer L's own experts before its attention has run).
@@ -101,7 +101,7 @@ DEFAULT_PREDICTOR = "moe_input"
 
 
 def top_k_ids(scores, k: int) -> mx.array:
-    """The k experts a router's output picks (as ExpertStore.predict does)."""
+    """The k experts a router's output picks (as Prefetcher.predict does)."""
     if isinstance(scores, tuple):  # routers that select, e.g. DeepSeek's
         return scores[0]
     return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]

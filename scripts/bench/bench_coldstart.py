@@ -38,7 +38,7 @@ def run(prep, ids, fraction, tokens, preload):
     try:
         cache_bytes = int(source.manifest.expert_bytes * fraction)
         model, _, store = load_streaming(prep, source, cache_bytes, dtype=mx.float32, preload=False)
-        store.depth = 0
+        store.prefetcher.depth = 0
         loaded = coldstart.preload(store, prep) if preload else 0
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array([ids[:PROMPT]]), cache=cache))

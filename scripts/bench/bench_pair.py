@@ -71,7 +71,7 @@ def main(argv=None):
         client = make_source(args.model, str(daemon[2]))
         cache_bytes = bench.cache_bytes_of(args.budget, manifest, "none", args.model)
         streamed, _, store = load_streaming(args.model, client, cache_bytes, dtype=dtype)
-        store.gate = PredictionGate(args.predict)
+        store.prefetcher.gate = PredictionGate(args.predict)
         result = run(args, tok, {"resident": resident, "iod": streamed}, store)
     finally:
         if client is not None:
@@ -121,7 +121,7 @@ def run(args, tok, models, store):
         # layer calls of the iod side that ran whole (every expert cached: the resident call, no sync)
         "whole_calls": store.stats["whole_calls"],
         "ids_equal": ids["resident"] == ids["iod"],
-        "gate": store.gate.stats(),
+        "gate": store.prefetcher.gate.stats(),
     }
 
 if __name__ == "__main__":

@@ -50,10 +50,10 @@ def record(model_dir, tokens, text=None, stretches=2):
                                          preload=False)
     ids = tok.encode(Path(text).read_text(), add_special_tokens=False) if text \
         else heldout_ids(model_dir, tok)
-    store.depth = 2
-    store.gate = PredictionGate("on")  # every call's guesses, whatever they cost
+    store.prefetcher.depth = 2
+    store.prefetcher.gate = PredictionGate("on")  # every call's guesses, whatever they cost
     guesses = []
-    prefetch, begin_call = store.prefetch, store.begin_call
+    prefetch, begin_call = store.prefetcher.prefetch, store.prefetcher.begin_call
     call = [0]
 
     def begin(layer, rows):  # the trace entry this call's gather will add
@@ -65,7 +65,7 @@ def record(model_dir, tokens, text=None, stretches=2):
                                   for l, d, g, _, breadth in gs]))
         prefetch(gs, misses)
 
-    store.begin_call, store.prefetch = begin, record_guesses
+    store.prefetcher.begin_call, store.prefetcher.prefetch = begin, record_guesses
     traces = {}
     span = PROMPT_TOKENS + tokens
     for i in range(stretches):

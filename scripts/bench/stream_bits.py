@@ -67,12 +67,12 @@ def main(argv):
     print("device", mx.default_device(), "prompt", len(ids), "tokens", TOKENS)
     manifest = Manifest.load(prep)
     model, _, store = load_streaming(prep, None, cache_bytes_of(budget, manifest))
-    store.gate = PredictionGate("on")  # depth 3 predicts on every call (kept by store.reset)
+    store.prefetcher.gate = PredictionGate("on")  # depth 3 predicts on every call (kept by store.reset)
     for hits_first, depth, pipelined in ((True, 0, False), (True, 3, False), (False, 0, False),
                                          (False, 3, False), (True, 3, True), (False, 0, True)):
         store.use(make_source(prep, "inproc", arena=256 << 20, workers=1))
         store.reset()
-        store.hits_first, store.depth = hits_first, depth
+        store.hits_first, store.prefetcher.depth = hits_first, depth
         _, got = steps(model, ids, ref_ids, pipelined)
         differ = [i for i, (a, b) in enumerate(zip(ref, got)) if not np.array_equal(a, b)]
         argmax = sum(int(a.argmax() != b.argmax()) for a, b in zip(ref, got))
