@@ -39,7 +39,7 @@ class Quantization:
 def is_published_layout(src: Path, config: dict, tensors: dict) -> bool:
     """Whether ``src`` holds the tensors as published (per-expert, HF names)
     rather than as mlx-lm saves them (stacked under the expert module)."""
-    from infer.prep.prep import build_model, expert_modules
+    from infer.prep.model import build_model, expert_modules
 
     mods = expert_modules(build_model(config))
     if not mods:
@@ -55,7 +55,7 @@ def convert(src: Path, config: dict, quant, dtype=None):
     from mlx.utils import tree_flatten, tree_map, tree_map_with_path
     from mlx_lm.utils import quantize_model
 
-    from infer.prep.prep import SUPPORTED, ExpertLayer, Refusal, build_model, expert_modules
+    from infer.prep.model import SUPPORTED, ExpertLayer, Refusal, build_model, expert_modules
 
     weights = {}
     for f in sorted(src.glob("model*.safetensors")):

@@ -18,9 +18,8 @@ import signal
 import stat
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import xxhash
 
@@ -29,27 +28,12 @@ from shared.blob import (MANIFEST_NAME, NUMPY_DTYPES, PARTIAL_MANIFEST_NAME, Lay
                          plan_layer, record_checksum, verify_record)
 
 from infer.prep import safetensors as st
+from infer.prep.model import (SUPPORTED, ExpertLayer, Refusal, build_model,  # noqa: F401
+                              expert_modules, layer_index, layer_numbers)
 
 TENSOR_ORDER = ("weight", "scales", "biases", "bias")
-# Quantizations the streaming side knows how to run (mode -> allowed bits).
-SUPPORTED = {"affine": (4, 8), "mxfp4": (4,)}
 PARTIAL_MANIFEST = PARTIAL_MANIFEST_NAME
 SHARD_BYTES = 4 << 30
-
-
-class Refusal(Exception):
-    """A reason not to convert; reported as one line, exit code 2."""
-
-
-@dataclass
-class ExpertLayer:
-    layout: LayerLayout
-    # per segment, the source tensor it is sliced from
-    sources: List[st.TensorInfo] = field(default_factory=list)
-    target: str = "model"  # "model" or "mtp": which resident file its module belongs to
-    # or, for a converted folder: returns per segment a C-contiguous numpy
-    # array [experts, ...] of its raw bytes (computed when the layer is written)
-    load: Optional[Callable[[], list]] = None
 
 
 def peak_rss_mb() -> float:
@@ -95,55 +79,6 @@ def load_config(src: Path) -> dict:
     if not list(src.glob("model*.safetensors")):
         raise Refusal(f"{src} is not a model folder (no model*.safetensors)")
     return config
-
-
-def build_model(config: dict):
-    """mlx-lm's model for ``config``; parameters are lazy and never evaluated."""
-    from mlx_lm.utils import _get_classes
-
-    try:
-        model_class, args_class = _get_classes(config)
-    except ValueError:
-        raise Refusal(f"model type {config['model_type']!r} is not supported by mlx-lm") from None
-    try:
-        return model_class(args_class.from_dict(config))
-    except Exception as e:
-        raise Refusal(f"cannot build a {config['model_type']} model from config.json ({e})") from None
-
-
-def expert_modules(model):
-    """[(layer, path, [(projection, unquantized SwitchLinear)])] for every
-    expert module (SwitchGLU / SwitchMLP), whatever its path is named."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
-
-    found = []
-    for path, m in model.named_modules():
-        if isinstance(m, (SwitchGLU, SwitchMLP)):
-            projs = [(k, v) for k, v in m.items() if isinstance(v, (SwitchLinear, QuantizedSwitchLinear))]
-            found.append((path, projs))
-    found.sort(key=lambda pm: _natural(pm[0]))
-    numbers = layer_numbers([p for p, _ in found])
-    return [(numbers[p], p, projs) for p, projs in found]
-
-
-def _natural(path: str):
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in path.split(".")]
-
-
-def _layer_index(path: str) -> Optional[int]:
-    """The block index in a module path: its last numeric component
-    (``model.layers.3.mlp.switch_mlp``, ``transformer.h.3.moe.mlp``)."""
-    nums = [int(t) for t in path.split(".") if t.isdigit()]
-    return nums[-1] if nums else None
-
-
-def layer_numbers(paths) -> Dict[str, int]:
-    """Blob number of each expert module: its block index, or its rank in
-    path order when block indices are missing or shared."""
-    idx = [_layer_index(p) for p in paths]
-    if None in idx or len(set(idx)) != len(idx):
-        return {p: i for i, p in enumerate(paths)}
-    return dict(zip(paths, idx))
 
 
 # a decoder block's index in a tensor or parameter name: model.layers.3.*,
@@ -292,11 +227,11 @@ def plan(src: Path, config: dict, tensors=None):
         n_layers = max(config.get("num_hidden_layers", 0), max(l.layout.layer for l in layers) + 1)
         prefixes = sorted(
             {m.group(1) for k in mtensors if (m := re.match(r"^(mtp\.layers\.\d+\.[\w.]*?switch_mlp)\.", k))},
-            key=_layer_index,
+            key=layer_index,
         )
         for prefix in prefixes:
             layers.append(
-                plan_expert_layer(n_layers + _layer_index(prefix), prefix, proj_dims, mtensors, qconfig, "mtp")
+                plan_expert_layer(n_layers + layer_index(prefix), prefix, proj_dims, mtensors, qconfig, "mtp")
             )
         used |= {s.name for l in layers for s in l.sources}
         mtp_resident = sorted((t for t in mtensors.values() if t.name not in used), key=lambda t: t.start)
