@@ -4,7 +4,7 @@ session starts one), and the expert cache.
 
 ``--mem-budget B`` means the whole process tree — the inference process,
 the private daemon it starts, the daemon's arena, MLX's buffers and the page
-cache it causes — fits in a memory cgroup of B bytes (``scripts/bench_cgroup.py``
+cache it causes — fits in a memory cgroup of B bytes (``scripts/bench/bench_cgroup.py``
 and ``tests/test_budget.py`` run it in one). Every part is planned at the
 size it really takes, not as stored on disk:
 
@@ -33,6 +33,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.blob import open_inside
 from shared.units import format_size
 
 # The inference process's own memory as a memory cgroup charges it, without
@@ -110,7 +111,9 @@ def model_config(model_dir) -> dict:
 
 
 def _safetensors_header(path) -> dict:
-    with open(path, "rb") as f:
+    # a regular file only: a FIFO in the folder must not hang the argument check
+    path = Path(path)
+    with os.fdopen(open_inside(path.parent, path.name), "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
