@@ -1,4 +1,4 @@
-"""Fake prep folders for iod tests and benchmarks, built directly with shared.blob.
+"""Fake prep folders, a live daemon and a raw peer, for the tests and benchmarks of iod, built directly with shared.blob.
 
 A fake model is a manifest plus one blob file per layer holding random
 record bytes with correct checksums; no real weights are involved.
