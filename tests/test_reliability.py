@@ -124,14 +124,14 @@ PROMPT = "Write a list of colors: red, green, blue"
 src = IodClient(prep, iod=iod)
 model, tok, store = load_streaming(prep, src, cache or None)
 calls = [0.0]
-orig = store._call
+orig = store.call_source
 def timed(*a, **k):
     t = time.monotonic()
     try:
         return orig(*a, **k)
     finally:
         calls[0] = max(calls[0], time.monotonic() - t)
-store._call = timed
+store.call_source = timed
 print(json.dumps({"ready": True, "daemon_pid": src.daemon_pid}), flush=True)
 ids = encode_prompt(tok, PROMPT)
 g = 0
