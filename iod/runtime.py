@@ -8,7 +8,6 @@ by fstat of what was opened.
 """
 
 import errno
-import fcntl
 import json
 import os
 import stat
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from shared import paths
 from shared.slots import ARENA_SHARE, MIN_ARENA, arena_limit, arena_size_problem  # noqa: F401  (iod start checks --arena)
-from shared.launch import SAFE_OPEN, ensure_run_dir, pid_alive, read_pid  # noqa: F401
+from shared.launch import SAFE_OPEN, ensure_run_dir, lock_pid_file, pid_alive, read_pid  # noqa: F401
 from shared.trust import Untrusted
 
 START_ARGS = "iod.args"  # beside the lock: the running daemon's `iod start` options
@@ -63,26 +62,10 @@ def take_lock(lock_file: Path) -> int:
     """flock the lock file and write our pid in it; returns the fd (keep it
     open for the daemon's life). Raises AlreadyRunning naming the holder.
     A SIGKILLed holder's lock is released by the kernel, so it never blocks."""
-    while True:
-        fd = _open_private(lock_file, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise AlreadyRunning(read_pid(lock_file) or "unknown") from None
-            raise
-        # a stopping daemon may have unlinked the file we locked: lock the new one
-        try:
-            same = os.lstat(lock_file).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd
+    try:
+        return lock_pid_file(lock_file, lambda: _open_private(lock_file, os.O_RDWR))
+    except BlockingIOError:
+        raise AlreadyRunning(read_pid(lock_file) or "unknown") from None
 
 
 def write_arena_record(folder: Path, *names: str) -> None:

@@ -48,6 +48,32 @@ def read_pid(lock_file: Path) -> int:
         os.close(fd)
 
 
+def lock_pid_file(path, opener) -> int:
+    """flock ``path`` (opened by ``opener()``, which returns an fd) and write
+    our pid in it; returns the fd, to keep open while the lock is held.
+    Raises BlockingIOError (the fd closed) while another process holds it:
+    ``read_pid(path)`` names it. A holder removes the file as it lets go, so
+    the file locked may no longer be the one the name gives: then the name's
+    is locked instead. The kernel releases a killed holder's lock."""
+    while True:
+        fd = opener()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.lstat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def lock_holder(lock_file: Path) -> int:
     """The pid of the daemon holding the lock, or 0 when nobody holds it."""
     try:

@@ -24,8 +24,8 @@ from typing import Dict, List, Optional
 import xxhash
 
 from shared.blob import (MANIFEST_NAME, NUMPY_DTYPES, PARTIAL_MANIFEST_NAME, LayerLayout, Manifest, ManifestError,
-                         open_inside,
-                         plan_layer, record_checksum, verify_record)
+                         open_inside, plan_layer, record_checksum, verify_record)
+from shared.launch import lock_pid_file, read_pid
 
 from infer.prep import safetensors as st
 from infer.prep.model import (SUPPORTED, ExpertLayer, Refusal, build_model,  # noqa: F401
@@ -515,33 +515,23 @@ class OutLock:
         return self
 
     def _lock_file(self):
-        while True:
+        def opener():
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             except OSError as e:
                 if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM) and self.dst.is_dir():
-                    return self._lock_folder()  # a folder whose parent we may not write in
+                    raise _NoLockFile from None  # a folder whose parent we may not write in
                 if e.errno == errno.ELOOP:
                     raise Refusal(f"{self.path} is a symbolic link, not infer prep's lock file") from None
                 # where --out cannot be made either: the user's path, not the lock's
                 raise OSError(e.errno, e.strerror, str(self.dst)) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                os.close(fd)
-                raise Refusal(self._busy(holder)) from None
-            # its holder removes the file as it lets go: lock the file the name has now
-            try:
-                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
+
+        try:
+            self.fd = lock_pid_file(self.path, opener)
+        except _NoLockFile:
+            return self._lock_folder()
+        except BlockingIOError:
+            raise Refusal(self._busy(str(read_pid(self.path) or ""))) from None
         _HELD.add(self.key)
 
     def _lock_folder(self):
@@ -576,6 +566,10 @@ class OutLock:
 
 
 _HELD = set()  # lock files this process holds
+
+
+class _NoLockFile(Exception):
+    """The lock file cannot be made beside --out: the folder itself is locked."""
 
 
 def read_tensors(src: Path) -> Dict[str, st.TensorInfo]:
