@@ -213,3 +213,18 @@ def shm_entries(pid=None):
 
 
 PY = sys.executable
+
+
+def daemons_under(folder):
+    """Pids of the iod daemons whose command line names ``folder`` (a run
+    dir: the private daemons started there)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                cmd = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if str(folder) in cmd and "iod.cli" in cmd:
+                out.append(int(p))
+    return out

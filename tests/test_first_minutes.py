@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from shared.fixtures import shm_entries, short_dir, wait_for
+from shared.fixtures import daemons_under as _daemons_under, shm_entries, short_dir, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "Write a list of colors: red, green, blue"
@@ -25,20 +25,6 @@ def run_dir(monkeypatch):
     monkeypatch.setenv("IOD_RUN_DIR", str(folder))
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def _daemons_under(folder):
-    """Pids of the iod daemons whose command line names ``folder``."""
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                cmd = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
-            except OSError:
-                continue
-            if str(folder) in cmd and "iod.cli" in cmd:
-                out.append(int(p))
-    return out
 
 
 def _left_behind(run_dir, daemons):

@@ -17,7 +17,7 @@ from mlx_lm import stream_generate
 
 import infer
 from infer.run import encode_prompt, stats_lines
-from shared.fixtures import LiveDaemon, shm_entries, short_dir
+from shared.fixtures import LiveDaemon, daemons_under as _daemons_under, shm_entries, short_dir
 
 PROMPT = "Write a list of colors: red, green, blue"
 
@@ -411,20 +411,6 @@ def test_dtype_float32_equals_mlx_lm_converted_to_float32(stored, synth_model, t
         assert model.model.embed_tokens.scales.dtype == mx.float32
     finally:
         source.close()
-
-
-def _daemons_under(folder):
-    """Pids of processes whose command line names ``folder`` (our private daemons)."""
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                cmd = open(f"/proc/{p}/cmdline", "rb").read().decode(errors="replace")
-            except OSError:
-                continue
-            if str(folder) in cmd and "iod.cli" in cmd:
-                out.append(int(p))
-    return out
 
 
 @pytest.mark.parametrize("sig,rc_want,line", [(signal.SIGINT, 130, "infer run: interrupted"),
