@@ -657,10 +657,10 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None, adapter=Non
     # and so do an adapter's and a draft model's
     if args.seed is not None:
         mx.random.seed(args.seed)
-    # a memory plan counts an even split of the cache (budget._fill)
+    # a memory plan hands the cache the per-layer capacities it counted (budget._fill)
     model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype,
                                              group=group(), mtp_cache=drafts_with_mtp(args.draft, args.model),
-                                             whole_layers=plan is None)
+                                             capacity=plan.capacity if plan is not None else None)
     at_load = dict(store.stats)  # the preload's
     if plan is not None:
         budget.release_page_cache(args.model)

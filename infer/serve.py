@@ -512,10 +512,11 @@ class StreamingModelProvider(mlx_server.ModelProvider):
     built on mlx-lm's generation thread, the only thread that then uses it.
     """
 
-    def __init__(self, cli_args, source, cache_bytes=None, given=None):
+    def __init__(self, cli_args, source, cache_bytes=None, given=None, capacity=None):
         super().__init__(cli_args)
         self.source = source
         self.cache_bytes = cache_bytes
+        self.capacity = capacity  # a --mem-budget plan's {layer: experts}
         self.store = None
         self._names = model_names(cli_args.model, given)
 
@@ -534,11 +535,10 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         mx.clear_cache()
         from infer.runtime.distributed import group
 
-        # a --mem-budget plan counts an even split of the cache
+        # a --mem-budget plan hands the cache the per-layer capacities it counted
         model, tokenizer, store = load_streaming(
             model_path, self.source, self.cache_bytes, self._tokenizer_config,
-            dtype=mx_dtype(self.cli_args.dtype), group=group(),
-            whole_layers=self.cli_args.mem_budget is None)
+            dtype=mx_dtype(self.cli_args.dtype), group=group(), capacity=self.capacity)
         if self.cli_args.mem_budget is not None:
             from infer.runtime.budget import release_page_cache
 
@@ -943,13 +943,13 @@ def _main(argv=None) -> int:
             if g is not None:
                 manifest = distributed.rank_manifest(manifest, args.model, g)
                 args.iod = args.iod.replace("{rank}", str(g.rank()))  # a daemon per rank
-            cache_bytes, client_kw = None, {}
+            cache_bytes, capacity, client_kw = None, None, {}
             if args.mem_budget is not None:
                 from infer.runtime.budget import kv_bytes_per_token, limit_process, plan_session
 
                 plan, client_kw = plan_session(parse_size(args.mem_budget), args.model, manifest, args.iod,
                                                dtype=args.dtype, context=limits.context)
-                cache_bytes = plan.cache_bytes
+                cache_bytes, capacity = plan.cache_bytes, plan.capacity
                 # the plan counts one request's KV cache and one prefill step
                 # of one prompt: the requests in flight share that KV cache
                 limits.pool_tokens = _round_up(limits.context, KV_STEP)
@@ -970,7 +970,7 @@ def _main(argv=None) -> int:
     cli_args.model = model
     cli_args.allowed_origins = list(limits.origins)
     cli_args.pipeline = g is not None  # mlx-lm's provider: a pipeline group, not tensor parallel
-    provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model)
+    provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model, capacity=capacity)
     if g is not None:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, _exit_rank(source))

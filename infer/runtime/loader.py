@@ -100,7 +100,7 @@ def cast_model(model, dtype):
 
 
 def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
-                   preload=True, group=None, mtp_cache=False, whole_layers=True):
+                   preload=True, group=None, mtp_cache=False, capacity=None):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
@@ -111,9 +111,10 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     (infer.runtime.distributed): the model keeps this rank's layers only, and the
     store streams their experts only. ``mtp_cache``: an MTP head will draft,
     so its layers share the expert cache (else they get none of it).
-    ``whole_layers``: a ``usage.json`` may make some layers' stacks whole
-    (``infer.runtime.budget.split_cache``); False splits the cache evenly, as a
-    ``--mem-budget`` plan counts it."""
+    ``capacity``: {layer: experts its stack holds}, a memory plan's
+    (``infer.runtime.budget.MemoryPlan.capacity``); without one,
+    ``cache_bytes`` is split over the layers (``budget.split_cache``), where a
+    ``usage.json`` says whole layers pay, with those."""
     model_dir = Path(model_dir)
     manifest, calibration, usage = read_prep_folder(model_dir)
     if group is not None:
@@ -124,8 +125,7 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
         cache_bytes = int(cached_expert_bytes(manifest, mtp_cache) * DEFAULT_CACHE_FRACTION)
     store = ExpertStore(manifest, source, cache_bytes, calibration=calibration,
                         cached=[l.layer for l in cached_layers(manifest, mtp_cache)],
-                        usage=usage if whole_layers else None,
-                        top_k=top_k(model_dir))
+                        usage=usage, top_k=top_k(model_dir), capacity=capacity)
     store.dtype = dtype
     store.prefetcher.set_disk(model_dir)
     if any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):

@@ -181,13 +181,14 @@ class ExpertStore:
     ``source`` is a ``shared.source.ExpertSource`` (``make_source``).
     ``cache_bytes`` is split over the stacks of the ``cached`` layers
     (default: all) by ``infer.runtime.budget.split_cache``: evenly, or with
-    whole layers where a calibration's ``usage`` says they pay. Its
+    whole layers where a calibration's ``usage`` says they pay; a memory
+    plan hands its per-layer ``capacity`` instead. Its
     ``prefetcher`` (``infer.runtime.prefetch``) guesses the next layers'
     experts and hints the source to read them ahead; ``depth`` and
     ``calibration`` are its."""
 
     def __init__(self, manifest, source, cache_bytes, depth=3, calibration=None, cached=None,
-                 usage=None, top_k=8):
+                 usage=None, top_k=8, capacity=None):
         self.manifest = manifest
         self.source = source
         self.cache_bytes = cache_bytes
@@ -195,8 +196,9 @@ class ExpertStore:
         # the layers the cache is shared over (infer.runtime.budget.cached_layers);
         # any other layer streams each call through a compact stack
         self.cached = set(self.layouts) if cached is None else set(cached)
-        self.capacity = split_cache([self.layouts[l] for l in sorted(self.cached)], cache_bytes,
-                                    usage, top_k)  # layer -> positions
+        # layer -> positions: a memory plan's, else the bytes split over the layers
+        self.capacity = dict(capacity) if capacity is not None else \
+            split_cache([self.layouts[l] for l in sorted(self.cached)], cache_bytes, usage, top_k)
         self.stacks = {}
         self.dtype = None  # an mx.Dtype to cast floating expert tensors to (infer --dtype)
         self.trace = None  # set to a list to record each call's experts (routing_trace)
