@@ -259,17 +259,21 @@ class IodClient(ExpertSource):
             return
         proc, folder, w = self._private
         self._private = None
-        os.close(w)  # EOF on the child's parent pipe: graceful stop
+        # the folder goes whatever interrupts the wait (a second Ctrl-C while
+        # a dead daemon is replaced): with its pipe closed the daemon stops anyway
         try:
-            proc.wait(timeout=10)
-        except Exception:
-            proc.terminate()
+            os.close(w)  # EOF on the child's parent pipe: graceful stop
             try:
-                proc.wait(timeout=2)
+                proc.wait(timeout=10)
             except Exception:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=2)
+                except Exception:
+                    proc.kill()
+                    proc.wait()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _detach(self):
         """Drop the connection and mappings (not the private daemon)."""
