@@ -228,3 +228,14 @@ def daemons_under(folder):
             if str(folder) in cmd and "iod.cli" in cmd:
                 out.append(int(p))
     return out
+
+
+def daemon_stats(sock) -> dict:
+    """The daemon's STATS at ``sock``, asked on a connection of its own."""
+    from shared import protocol as P
+
+    r = Raw(sock)
+    try:
+        return r.rt(P.Stats(r.req())).stats
+    finally:
+        r.close()

@@ -21,19 +21,11 @@ import pytest
 
 from shared import protocol as P
 from shared.blob import Manifest
-from shared.fixtures import PY, Raw, short_dir, wait_for
+from shared.fixtures import PY, Raw, daemon_stats as stats, short_dir, wait_for
 from tests.test_run import PROMPT, mlx_greedy_ids, tiny_budget
 from tests.test_trust import cli, emit, gone, one_line
 
 E = P.ErrorCode
-
-
-def stats(sock) -> dict:
-    r = Raw(sock)
-    try:
-        return r.rt(P.Stats(r.req())).stats
-    finally:
-        r.close()
 
 
 def shared_budget(prep, max_tokens):

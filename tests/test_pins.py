@@ -21,7 +21,7 @@ from infer.runtime.client import IodClient, PinsExpired
 from shared import protocol as P
 from shared import slots as S
 from shared.blob import Manifest, read_record
-from shared.fixtures import PY, LiveDaemon, Raw, wait_for
+from shared.fixtures import PY, LiveDaemon, daemon_stats as stats, wait_for
 from tests.test_limits import infer_run, shared_budget
 from tests.test_run import mlx_greedy_ids
 from tests.test_trust import emit
@@ -64,14 +64,6 @@ out["sessions"] = [[s["pid"] == os.getpid(), s["expired"]] for s in c.stats()["s
 c.close()
 print(json.dumps(out), flush=True)
 """
-
-
-def stats(sock) -> dict:
-    r = Raw(sock)
-    try:
-        return r.rt(P.Stats(r.req())).stats
-    finally:
-        r.close()
 
 
 def state(pid) -> str:
