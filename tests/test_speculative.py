@@ -305,6 +305,49 @@ def test_rowwise_attention_probe_refuses_a_kernel_that_depends_on_the_rows():
     assert not rowwise.batch_is_rows(late, 3, mx.float32, 4, 2, 32, 0.17)
 
 
+def test_a_rowwise_pass_touches_only_its_own_objects_and_thread(prep_model):
+    """While a pass runs: another model's gated-delta layers and convolutions
+    keep their classes, and attention in another thread is mlx's own (an
+    explicit mask, which the pass refuses, works there); after it, the
+    pass's own objects are back to their classes."""
+    import threading
+
+    import mlx.nn as nn
+
+    from infer.spec import rowwise
+
+    prep = prep_model("qwen3_next")
+    model, _ = load_model(prep, lazy=True, strict=False)
+    other, _ = load_model(prep, lazy=True, strict=False)
+    mine, theirs = rowwise._gated_delta_layers(model), rowwise._gated_delta_layers(other)
+    assert mine and theirs
+    classes = [(type(m), type(m.conv1d)) for m in mine]
+    q = mx.random.normal((1, 2, 3, 16))
+    k = v = mx.random.normal((1, 2, 5, 16))
+    mask = mx.zeros((3, 5))
+    mx.eval(q, k, v, mask)  # (a lazy array is evaluated in the stream of the thread that made it)
+    elsewhere = {}
+
+    def attend():
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+        elsewhere["out"] = np.array(out)  # evaluated in its own thread's stream
+
+    with RowwisePass(model):
+        assert all(type(m) is not c and isinstance(m, c) for m, (c, _) in zip(mine, classes))
+        assert all(type(m.conv1d) is not c for m, (_, c) in zip(mine, classes))
+        assert {type(m) for m in theirs} == {c for c, _ in classes}
+        assert all(type(m.conv1d) is nn.Conv1d for m in theirs)
+        with pytest.raises(rowwise.RowwiseUnsupported):
+            mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+        t = threading.Thread(target=attend)
+        t.start()
+        t.join()
+    assert elsewhere["out"].shape == q.shape
+    assert [(type(m), type(m.conv1d)) for m in mine] == classes
+    same = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert np.array_equal(np.array(same), elsewhere["out"])
+
+
 def test_rowwise_refuses_and_falls_back(prep_model):
     prep = prep_model("deepseek_v3")
     source = InprocSource(prep, arena=64 << 20)

@@ -87,36 +87,70 @@ def grow_kv(cache, n):
 
 class RowwisePass:
     """Context in which a model's batched forward computes rows as one-token
-    passes do (see the module docstring). Patches are global while active:
-    nothing else may run a forward pass meanwhile."""
+    passes do (see the module docstring), confined to the pass: its
+    gated-delta layers and their convolutions are switched to row-wise
+    subclasses of their own classes for the pass (other objects of those
+    classes are untouched), and attention and the gated-delta recurrence go
+    row-wise only in the thread that runs the pass, while it runs (a
+    dispatcher installed once in front of each; any other forward, in
+    another thread or after the pass, calls mlx and mlx-lm's own)."""
 
     def __init__(self, model):
         self.model = model
         self.layers = _gated_delta_layers(model)
-        self.modules = {sys.modules[type(m).__module__] for m in self.layers}
-        self._saved = []
+        for mod in {sys.modules[type(m).__module__] for m in self.layers}:
+            _dispatch(mod, "gated_delta_update", _stepwise_gdu, lambda: getattr(_TLS, "rec", None) is not None)
+        _dispatch(mx.fast, "scaled_dot_product_attention", _rowwise_sdpa,
+                  lambda: getattr(_TLS, "active", None) is not None)
+        self._swapped = []
 
     def __enter__(self):
-        orig_sdpa = mx.fast.scaled_dot_product_attention
-        orig_conv = nn.Conv1d.__call__
-        self._patch(mx.fast, "scaled_dot_product_attention", _rowwise_sdpa(orig_sdpa))
-        self._patch(nn.Conv1d, "__call__", _rowwise_conv(orig_conv))
-        for mod in self.modules:
-            self._patch(mod, "gated_delta_update", _stepwise_gdu(mod.gated_delta_update))
-        for cls in {type(m) for m in self.layers}:
-            self._patch(cls, "__call__", _recording_gdn(cls.__call__))
+        if getattr(_TLS, "active", None) is not None:
+            raise RuntimeError("a row-wise pass is already running in this thread")
+        for m in self.layers:
+            self._swap(m, _RecordingGDN)
+            self._swap(m.conv1d, _RowwiseConv)
+        _TLS.active = self
         return self
 
-    def _patch(self, owner, name, value):
-        self._saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
+    def _swap(self, obj, mixin):
+        self._swapped.append((obj, type(obj)))
+        obj.__class__ = _subclass(type(obj), mixin)
 
     def __exit__(self, *exc):
-        for owner, name, value in reversed(self._saved):
-            setattr(owner, name, value)
-        self._saved = []
+        for obj, cls in reversed(self._swapped):
+            obj.__class__ = cls
+        self._swapped = []
+        _TLS.active = None
         _TLS.rec = None
         return False
+
+
+def _dispatch(owner, name, rowwise, active):
+    """Put a dispatcher in front of ``owner.name``, once: it calls
+    ``rowwise(original)`` while ``active()`` (a test of this thread's
+    state), else the original."""
+    orig = getattr(owner, name)
+    if getattr(orig, "_rowwise_original", None) is not None:
+        return
+    alt = rowwise(orig)
+
+    def call(*args, **kw):
+        return (alt if active() else orig)(*args, **kw)
+
+    call._rowwise_original = orig
+    setattr(owner, name, call)
+
+
+_SUBCLASSES = {}  # (class, mixin) -> the row-wise subclass
+
+
+def _subclass(cls, mixin):
+    """``cls`` with ``mixin``'s call in front (made once per class)."""
+    key = (cls, mixin)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(cls.__name__, (mixin, cls), {})
+    return _SUBCLASSES[key]
 
 
 # (function, rows, dtype, heads, kv heads, head dim, scale) -> whether a
@@ -170,21 +204,22 @@ def _rowwise_sdpa(orig):
     return sdpa
 
 
-def _rowwise_conv(orig):
-    def call(self, x):
+class _RowwiseConv:
+    """A causal convolution of the pass: one output position per call."""
+
+    def __call__(self, x):
+        orig = super().__call__
         rec = getattr(_TLS, "rec", None)
         if rec is not None:
             rec["conv_input"] = x
         K = self.weight.shape[1]
         L = x.shape[1]
         if L <= K:
-            return orig(self, x)
+            return orig(x)
         if self.padding != 0 or self.stride != 1 or self.dilation != 1:
             raise RowwiseUnsupported("a convolution with padding, stride or dilation")
-        outs = [orig(self, mx.contiguous(x[:, j : j + K, :])) for j in range(L - K + 1)]
+        outs = [orig(mx.contiguous(x[:, j : j + K, :])) for j in range(L - K + 1)]
         return mx.concatenate(outs, axis=1)
-
-    return call
 
 
 def _stepwise_gdu(orig):
@@ -207,14 +242,15 @@ def _stepwise_gdu(orig):
     return gdu
 
 
-def _recording_gdn(orig):
-    """A gated-delta layer's call that leaves one recorded state per token
-    in a recording cache (``infer.spec.decoder``), instead of one for all."""
+class _RecordingGDN:
+    """A gated-delta layer of the pass: it leaves one recorded state per
+    token in a recording cache (``infer.spec.decoder``), instead of one for
+    all; the recurrence runs a step a call meanwhile (``_stepwise_gdu``)."""
 
-    def call(self, inputs, mask=None, cache=None):
+    def __call__(self, inputs, mask=None, cache=None):
         _TLS.rec = rec = {}
         try:
-            out = orig(self, inputs, mask=mask, cache=cache)
+            out = super().__call__(inputs, mask=mask, cache=cache)
         finally:
             _TLS.rec = None
         S = inputs.shape[1]
@@ -228,5 +264,3 @@ def _recording_gdn(orig):
             for j in range(S):
                 history.append((1, [x[:, j + 1 : j + 1 + keep, :], states[j]]))
         return out
-
-    return call
