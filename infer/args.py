@@ -158,6 +158,13 @@ def add_sampling(p, max_tokens=100, serve=False, no_limit=False):
     p.add_argument("--min-p", type=unit_float, default=0.0, help=f"{what}min-p sampling (0: off)")
 
 
+def add_device_wait(p):
+    """--device-wait: ``args.device_wait`` is True for auto."""
+    p.add_argument("--device-wait", choices=("auto", "off"), default="auto",
+                   help="decode calls find their experts on the GPU and wait there for misses "
+                        "(auto: where the backend has it, MLX CUDA), or sync at each router (off)")
+
+
 def add_dtype(p):
     """--dtype, resolved after parsing (``resolve_dtype``): ``args.dtype`` is
     a dtype's name or None (the folder's), ``args.dtype_choice`` says why."""

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from shared.units import format_size, parse_size
 
-from infer.args import (Parser, add_dtype, add_sampling, add_version, first_line, iod_target, json_object,
+from infer.args import (Parser, add_device_wait, add_dtype, add_sampling, add_version, first_line, iod_target, json_object,
                         nonneg_int, one_of, positive_float, positive_int, seed_int, str2bool, unit_float)
 from infer.runtime.budget import AUTO_SHARE
+from infer.runtime.device import path_line
 
 EPILOG = ("mlx_lm.generate's flags work as there (-m is --max-tokens, -p is --prompt); the "
           "differences are in README.md. Ctrl-C stops the generation (exit status 130).")
@@ -48,6 +49,7 @@ def build_parser():
                    help="prompt tokens per prefill call (default: 2048, or less where --mem-budget "
                         "needs it)")
     add_dtype(p)
+    add_device_wait(p)
     p.add_argument("--iod", type=iod_target, default="auto",
                    help="'auto' (the shared daemon, else a private one) or a daemon's socket file "
                         "('{rank}' in it: the rank's number under --ranks)")
@@ -168,6 +170,10 @@ def session_stats(store, prompt_tps, decode_tps, n_prompt, n_tokens, at_load=Non
         "stall_s": store.stats["stall_s"],
         "preload_stall_s": at_load.get("stall_s", 0.0),
         "cache_bytes": store.cache_bytes,
+        # which path the streamed layers took (infer.runtime.device)
+        "device_wait": store.device is not None,
+        "layer_calls": {"device": store.stats["device_calls"], "synced": store.stats["synced_calls"],
+                        "whole": store.stats["whole_calls"]},
         "prediction": store.prefetcher.prediction_stats(),
         "gate": store.prefetcher.gate.stats(),  # infer.runtime.gate: passes with prediction on and off
     }
@@ -219,6 +225,8 @@ def stats_lines(s):
         lines.append(line)
     if s.get("dtype_choice"):
         lines.append(f"Settings: dtype {s['dtype_choice']}; {s['memory_choice']}")
+    if s.get("layer_calls"):
+        lines.append(path_line(s["layer_calls"], s["device_wait"]))
     return lines
 
 
@@ -660,7 +668,8 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None, adapter=Non
     # a memory plan hands the cache the per-layer capacities it counted (budget._fill)
     model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype,
                                              group=group(), mtp_cache=drafts_with_mtp(args.draft, args.model),
-                                             capacity=plan.capacity if plan is not None else None)
+                                             capacity=plan.capacity if plan is not None else None,
+                                             device_wait=args.device_wait == "auto")
     at_load = dict(store.stats)  # the preload's
     if plan is not None:
         budget.release_page_cache(args.model)

@@ -43,7 +43,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from shared.units import format_size, parse_size
 
-from infer.args import (Parser, add_dtype, add_sampling, add_version, iod_target, json_object, mx_dtype,
+from infer.args import (Parser, add_device_wait, add_dtype, add_sampling, add_version, iod_target, json_object, mx_dtype,
                    port_int, positive_int)
 from infer.runtime.budget import DEFAULT_CONTEXT, model_config
 from infer.runtime.loader import PrepFolderError, check_prep_folder, load_streaming
@@ -84,6 +84,7 @@ def build_parser():
                    help="bound on the memory of the server and its private daemon, e.g. 4G, held "
                         "across concurrent requests (a request waits until its KV cache fits)")
     add_dtype(p)
+    add_device_wait(p)
     add_sampling(p, max_tokens=512, serve=True)
     p.add_argument("--max-context", type=positive_int, default=None, metavar="N",
                    help="tokens a request may use, prompt and max_tokens together (more: 400); "
@@ -538,7 +539,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         # a --mem-budget plan hands the cache the per-layer capacities it counted
         model, tokenizer, store = load_streaming(
             model_path, self.source, self.cache_bytes, self._tokenizer_config,
-            dtype=mx_dtype(self.cli_args.dtype), group=group(), capacity=self.capacity)
+            dtype=mx_dtype(self.cli_args.dtype), group=group(), capacity=self.capacity,
+            device_wait=self.cli_args.device_wait == "auto")
         if self.cli_args.mem_budget is not None:
             from infer.runtime.budget import release_page_cache
 

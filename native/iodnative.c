@@ -338,6 +338,7 @@ typedef int (*stream_create_fn)(void **, unsigned int);
 typedef int (*stream_sync_fn)(void *);
 typedef int (*host_alloc_fn)(void **, size_t, unsigned int);
 typedef int (*last_error_fn)(void);
+typedef int (*device_pointer_fn)(void **, void *, unsigned int);
 static memcpy_fn cuda_memcpy;
 static memcpy_async_fn cuda_memcpy_async;
 static register_fn cuda_host_register;
@@ -346,6 +347,7 @@ static stream_create_fn cuda_stream_create;
 static stream_sync_fn cuda_stream_sync;
 static host_alloc_fn cuda_host_alloc;
 static last_error_fn cuda_get_last_error;
+static device_pointer_fn cuda_host_device_pointer;
 static int cuda_state; /* 0 not tried, 1 loaded, -1 absent */
 static void *copy_stream; /* created on first use, never destroyed */
 static char *staging;     /* pinned, STAGING_BYTES, allocated on first use */
@@ -369,6 +371,7 @@ static int cuda_load(void) {
         cuda_stream_sync = (stream_sync_fn)dlsym(h, "cudaStreamSynchronize");
         cuda_host_alloc = (host_alloc_fn)dlsym(h, "cudaHostAlloc");
         cuda_get_last_error = (last_error_fn)dlsym(h, "cudaGetLastError");
+        cuda_host_device_pointer = (device_pointer_fn)dlsym(h, "cudaHostGetDevicePointer");
     }
     cuda_state = (cuda_memcpy && cuda_host_register && cuda_host_unregister) ? 1 : -1;
     return cuda_state > 0;
@@ -393,7 +396,8 @@ static PyObject *cuda_register(PyObject *self, PyObject *args) {
     if (PyObject_GetBuffer(obj, &v, PyBUF_SIMPLE) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = cuda_host_register(v.buf, (size_t)v.len, ro ? 8u /* cudaHostRegisterReadOnly */ : 0u);
+    /* mapped (2): kernels may read it too (infer.runtime.device) */
+    rc = cuda_host_register(v.buf, (size_t)v.len, 2u | (ro ? 8u /* cudaHostRegisterReadOnly */ : 0u));
     if (rc) clear_cuda_error();
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&v);
@@ -409,6 +413,18 @@ static PyObject *cuda_unregister(PyObject *self, PyObject *args) {
     cuda_host_unregister(v.buf);
     PyBuffer_Release(&v);
     Py_RETURN_NONE;
+}
+
+/* cuda_device_pointer(buffer) -> the address a kernel reads a registered
+ * buffer at (cudaHostGetDevicePointer), or 0 where there is none. */
+static PyObject *cuda_device_pointer(PyObject *self, PyObject *args) {
+    PyObject *obj; Py_buffer v; void *dev = NULL;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    if (!cuda_load() || !cuda_host_device_pointer) return PyLong_FromLong(0);
+    if (PyObject_GetBuffer(obj, &v, PyBUF_SIMPLE) < 0) return NULL;
+    if (cuda_host_device_pointer(&dev, v.buf, 0u)) { clear_cuda_error(); dev = NULL; }
+    PyBuffer_Release(&v);
+    return PyLong_FromSsize_t((Py_ssize_t)(intptr_t)dev);
 }
 
 /* The rows of a plan, queued on ``stream`` and waited for at the end:
@@ -592,6 +608,7 @@ static PyMethodDef methods[] = {
     {"cuda_available", cuda_available, METH_NOARGS, "Whether a CUDA runtime can be loaded."},
     {"cuda_register", cuda_register, METH_VARARGS, "Pin a host mapping for DMA (CUDA)."},
     {"cuda_unregister", cuda_unregister, METH_VARARGS, "Unpin a host mapping (CUDA)."},
+    {"cuda_device_pointer", cuda_device_pointer, METH_VARARGS, "A registered buffer's device address (CUDA)."},
     {"cuda_copy", cuda_copy, METH_VARARGS, "Copy a plan of regions to the device without the GIL (queued on one stream)."},
     {"address", address, METH_VARARGS, "The address of a buffer's first byte."},
     {"pread_full", pread_full, METH_VARARGS, "pread into a buffer without the GIL."},

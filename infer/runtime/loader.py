@@ -14,6 +14,7 @@ from shared.blob import Manifest, ManifestError
 from infer.runtime import coldstart
 from infer.args import first_line
 from infer.runtime.budget import cached_expert_bytes, cached_layers, model_config, top_k
+from infer.runtime.device import DeviceWait
 from infer.runtime.predict import CALIBRATION_NAME, Calibration, CalibrationError
 from infer.runtime.streaming import ExpertStore, patch_model
 
@@ -100,7 +101,7 @@ def cast_model(model, dtype):
 
 
 def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
-                   preload=True, group=None, mtp_cache=False, capacity=None):
+                   preload=True, group=None, mtp_cache=False, capacity=None, device_wait=True):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
@@ -114,7 +115,9 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     ``capacity``: {layer: experts its stack holds}, a memory plan's
     (``infer.runtime.budget.MemoryPlan.capacity``); without one,
     ``cache_bytes`` is split over the layers (``budget.split_cache``), where a
-    ``usage.json`` says whole layers pay, with those."""
+    ``usage.json`` says whole layers pay, with those. ``device_wait``: a
+    decode call finds its experts on the GPU and waits there for its misses
+    where the backend allows (``infer.runtime.device``; MLX CUDA)."""
     model_dir = Path(model_dir)
     manifest, calibration, usage = read_prep_folder(model_dir)
     if group is not None:
@@ -128,8 +131,11 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
                         usage=usage, top_k=top_k(model_dir), capacity=capacity)
     store.dtype = dtype
     store.prefetcher.set_disk(model_dir)
-    if any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):
-        # A streamed layer syncs at its router. On an NVIDIA H200
+    if device_wait and group is None:
+        store.device = DeviceWait.make(store)
+    if store.device is None and \
+            any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):
+        # A streamed layer syncs at its router (no device wait). On an NVIDIA H200
         # (2026-12-02, 7a849c3) a sync cost ~0.5 ms with MLX CUDA's graphs and ~0.2 ms
         # without, and streaming at 25% ran 1.07x faster without them
         # (docs/benchmarks.md). MLX reads

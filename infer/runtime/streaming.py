@@ -113,6 +113,15 @@ class LayerStack(Placement):
         # replaces an array it writes in place)
         self._addr = [native.address(a) for a in self.arrays.values()] \
             if self.mode == "cuda" else None
+        self.table_stale = True  # placement changed since the device table was written
+
+    def assign(self, missing, keep):
+        self.table_stale = True
+        return super().assign(missing, keep)
+
+    def forget(self, experts):
+        self.table_stale = True
+        super().forget(experts)
 
     def copy_in(self, batch, positions):
         """Copy ``batch``'s records to ``positions``: in host memory one
@@ -224,6 +233,9 @@ class ExpertStore:
         self.last_output = None
         # guesses of the next layers' experts and the hints to read them ahead
         self.prefetcher = Prefetcher(self, depth, calibration)
+        # decode calls mapped to positions on the GPU, which waits for their
+        # misses (infer.runtime.device); None: every streamed call syncs
+        self.device = None
         self.reset_stats()
 
     def reset_stats(self):
@@ -238,6 +250,8 @@ class ExpertStore:
                       "hits_first": 0,  # calls that computed cached experts while reading
                       "aside_calls": 0,  # one-token calls that computed bypassed experts apart
                       "whole_calls": 0,  # calls of whole layers: the resident call, no sync
+                      "device_calls": 0,  # calls that found their experts on the GPU, no sync
+                      "synced_calls": 0,  # calls that read their ids at a sync at the router
                       # streamed calls' own host work (stall and copy left out), and
                       # the part of it that is prediction: the next layers' guesses,
                       # the prefetch plan and its hints
@@ -293,21 +307,9 @@ class ExpertStore:
         it; else every wanted expert is copied into one compact stack, and
         ``aside`` is None."""
         wanted = [int(e) for e in wanted]
-        if self.trace is not None:
-            self.trace.append((layer, tuple(wanted)))
-        guessed, hinted = self.prefetcher.called(layer, wanted)
-        stack = self.stack(layer)
-        stack.tick()
-        missing = [e for e in wanted if e not in stack]
-        self.stats["hits"] += len(wanted) - len(missing)
-        self.stats["misses"] += len(missing)
-        for e in wanted:
-            if e in stack:
-                stack.touch(e)
+        stack, missing = self._lookup(layer, wanted, decode)
         if not missing:
             return stack.arrays, [stack.position[e] for e in wanted], None
-        if decode:
-            self.prefetcher.count_misses(layer, missing, hinted or set(), guessed)
         places = stack.assign(missing, set(wanted))
         bypassed = [e for e in missing if places[e] is None]
         defer = defer and stack.in_place
@@ -349,6 +351,38 @@ class ExpertStore:
         order = {e: i for i, e in enumerate(cached + bypassed)}
         return arrays, [order[e] for e in wanted], None
 
+    def _lookup(self, layer, wanted, decode):
+        """(stack, missing): a call of ``layer`` uses ``wanted`` (sorted,
+        once each): traced, scored against its guesses, its hits touched;
+        a decode call's misses counted by how they were found."""
+        if self.trace is not None:
+            self.trace.append((layer, tuple(wanted)))
+        guessed, hinted = self.prefetcher.called(layer, wanted)
+        stack = self.stack(layer)
+        stack.tick()
+        missing = [e for e in wanted if e not in stack]
+        self.stats["hits"] += len(wanted) - len(missing)
+        self.stats["misses"] += len(missing)
+        for e in wanted:
+            if e in stack:
+                stack.touch(e)
+        if missing and decode:
+            self.prefetcher.count_misses(layer, missing, hinted or set(), guessed)
+        return stack, missing
+
+    def serve_device(self, layer, stack, ids):
+        """A device-path call's routed ``ids``, read from the mailbox: its
+        misses placed and copied into their rows; returns {expert: row}
+        (None with no miss). The call holds at most its stack's capacity,
+        so every miss is placed."""
+        stack, missing = self._lookup(layer, sorted(set(ids)), True)
+        if not missing:
+            return None
+        places = stack.assign(missing, set(ids))
+        self._fill(layer, missing, lambda batch: stack.copy_in(
+            batch, [places[e] for e in batch.experts]), [stack], defer=False)
+        return places
+
     def _fill(self, layer, experts, copy, stacks, defer):
         """Copy ``experts`` in now, or (``defer``) at ``settle``; a failed
         copy leaves none of them cached."""
@@ -363,8 +397,11 @@ class ExpertStore:
             raise
 
     def settle(self):
-        """Copy in the misses calls deferred (``gather``), before anything
+        """Copy in the misses calls deferred (``gather``) and serve the
+        device-path calls (``infer.runtime.device``), before anything
         evaluates those calls' outputs."""
+        if self.device is not None and self.device.calls:
+            self.device.finish(self.serve_device)
         try:
             while self._pending:
                 self._fetch(*self._pending[0][:3])
@@ -540,6 +577,10 @@ class StreamingExperts(nn.Module):
         if stack is not None and stack.complete:
             return self._whole(x, indices, stack)
         rows = indices.size // indices.shape[-1]
+        if store.device is not None and store.deferring and rows == 1:
+            stack = store.stack(layer)
+            if store.device.fits(stack, indices.size):
+                return self._on_device(x, indices, stack)
         decode = rows <= DECODE_ROWS
         ids, guesses, (t0, t1, t2) = self._route(x, indices, rows)
         io = store.io_s
@@ -592,6 +633,19 @@ class StreamingExperts(nn.Module):
         self._bind(stack.arrays)
         return self._inner(x, indices)
 
+    def _on_device(self, x, indices, stack):
+        """One token in a forward of the whole model, on the device path:
+        positions found by the GPU from the layer's table, misses served
+        when the forward is queued (``ExpertStore.settle``); no sync."""
+        store = self._store
+        device = store.device
+        pos = device.positions(self._layout.layer, stack, indices)
+        self._bind(stack.arrays)
+        y = self._inner(x, pos)
+        device.called(self._layout.layer, stack, indices.size, y)
+        store.stats["device_calls"] += 1
+        return y
+
     def _route(self, x, indices, rows):
         """The routed ids and the next layers' guesses, read back in one sync:
         (ids, guesses, (start, guesses built, sync ended) in ns).
@@ -605,6 +659,7 @@ class StreamingExperts(nn.Module):
         the misses they deferred come in first."""
         store, layer = self._store, self._layout.layer
         ahead = store.prefetcher
+        store.stats["synced_calls"] += 1
         store.settle()
         last = store.last_output
         if last is not None and last[1] == threading.get_ident():

@@ -37,7 +37,7 @@ from infer.data import CORPUS
 from infer.runtime.source import make_source
 from infer.tools.resident import load_resident
 from infer.tools import bench_draft
-from infer.args import (Parser, add_dtype, mx_dtype, nonneg_float, nonneg_int, positive_int,
+from infer.args import (Parser, add_device_wait, add_dtype, mx_dtype, nonneg_float, nonneg_int, positive_int,
                    write_atomic)
 
 MODES = ("resident", "sync", "inproc", "iod")
@@ -73,6 +73,7 @@ def build_parser():
                    help="streamed modes with --depth > 0: predict and prefetch on every call, "
                         "never, or while decode passes measure faster with it (infer.runtime.gate: "
                         "its first decision is in force from the 65th decode pass)")
+    add_device_wait(p)
     p.add_argument("--warm", action="store_true",
                    help="time a long session's steady state: fill the expert cache, run the "
                         "prompt and text once untimed, then time them again (caches kept)")
@@ -294,7 +295,8 @@ def worker(args) -> dict:
 
         depth = 0 if mode == "sync" else args.depth
         model, tokenizer, store = load_streaming(args.model, None, cache_bytes, dtype=mx_dtype(args.dtype),
-                                                 mtp_cache=drafts_with_mtp(args.draft, args.model), group=g)
+                                                 mtp_cache=drafts_with_mtp(args.draft, args.model), group=g,
+                                                 device_wait=args.device_wait == "auto")
         store.prefetcher.depth = depth
         if args.hits_first != "auto":
             store.hits_first = args.hits_first == "on"
@@ -345,6 +347,7 @@ def worker(args) -> dict:
             if store is not None:
                 run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
                 run["whole_calls"] = store.stats["whole_calls"]
+                run["device_calls"] = store.stats["device_calls"]
                 run["trace"] = store.routing_trace()
                 run["prediction"] = store.prefetcher.prediction_stats()
                 run["source_counters"] = _source_counters(store.source)
@@ -447,6 +450,8 @@ def worker(args) -> dict:
         "trace_calls": len(last["trace"]),
         # of those, calls of whole layers (the resident call: no sync)
         "whole_calls": last["whole_calls"],
+        # and calls that found their experts on the GPU (infer.runtime.device: no sync)
+        "device_calls": last["device_calls"],
     })
     _with_bound(result)
     if daemon_read:
@@ -477,7 +482,7 @@ def _worker_argv(args, mode, out, extra=()):
         argv.append("--free-run")
     if args.warm:
         argv.append("--warm")
-    argv += ["--hits-first", args.hits_first, "--predict", args.predict]
+    argv += ["--hits-first", args.hits_first, "--predict", args.predict, "--device-wait", args.device_wait]
     if args.raw_prompt:
         argv.append("--raw-prompt")
     if args.arena:
@@ -517,7 +522,7 @@ def run_ranks(args, mode, out) -> dict:
 
 SUMMED = ("misses", "belady_misses", "decode_misses", "bytes_read_per_token", "stall_s_per_token",
           "copy_s_per_token", "host_s_per_token", "predict_s_per_token",
-          "prefetched_bytes", "prefetch_unused_bytes", "trace_calls", "whole_calls", "cache_bytes",
+          "prefetched_bytes", "prefetch_unused_bytes", "trace_calls", "whole_calls", "device_calls", "cache_bytes",
           "disk_bytes_read", "disk_bytes_read_per_token")
 
 

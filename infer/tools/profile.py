@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from infer.runtime.device import path_line
+
 # hop name -> (start stamp, end stamp); a record lacking a stamp skips the hop
 HOPS = {
     "arena hit: lookup→pinned": ("client_send", "client_recv"),
@@ -410,6 +412,12 @@ def summary_markdown(s) -> str:
                   "(one sync a layer); host: the streamed layers' own host work (prediction, "
                   "lookup, prefetch plan, the expert call's graph); other: the rest of the "
                   "model's host work and sampling."]
+    meta = s.get("meta") or {}
+    if meta.get("layer_calls"):
+        lines += ["", "## Path", "", path_line(meta["layer_calls"], meta["device_wait"])
+                  + (" (device wait: compute is the wait for the GPU to post a layer's ids, host the "
+                     "host's work on them, off the token's path unless the GPU waits for a miss)"
+                     if meta["device_wait"] else "")]
     lines += ["", "## Bytes per token", "",
               f"- copied into MLX: {s['bytes_copied']} bytes, "
               f"{_f(s['bytes_per_token'], 0)} per token "

@@ -1,0 +1,260 @@
+"""The device wait: a decode call's routed ids mapped to stack positions on
+the GPU, the host told the ids without stopping it, and the GPU waiting for
+a miss, not the host for the GPU (MLX CUDA).
+
+Per streamed layer a one-warp kernel reads the routed ids, looks each up in
+the layer's table (expert -> stack position, -1 if not cached; host memory
+the GPU reads, kept current by the host), and writes the ids and a posted
+turn to a mailbox in pinned host memory. With every expert cached it hands
+the positions to the layer's ``gather_qmm`` at once: the call is built and
+run as the resident one is, no host read of device memory. With a miss it
+spins on the layer's granted turn. The host, once the forward is built and
+queued, walks the layers in order: it reads each layer's ids as the GPU
+posts them, places the misses (``Placement``), has the source read them
+and copies them into their rows on a stream of its own (``LayerStack.copy_in``),
+updates the table, writes the rows and grants the turn; the GPU goes on.
+
+Exact: the expert math is the same ``gather_qmm`` on the same stack rows
+as the host-synced call. Safe by order: a row is written only while its
+layer's kernel of this forward waits, after every earlier kernel that read
+it ran (one stream), and before any later forward's kernels are queued.
+
+Where this does not run (the CPU, Metal, a stack not written in place, a
+cache narrower than a call) each call syncs at its router as before; the
+run's summary says which path ran. On Metal, ``mx.fast.metal_kernel`` with
+the unified memory the arena already is would give the same path; not
+built, not measured."""
+
+import mmap
+import os
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import native
+
+MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
+TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
+HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
+# One MLX command buffer a layer's graph, not one per 20 kernels: MLX blocks
+# the host in async_eval while ~10 are in flight, and a queued call may be
+# waiting for the host. MLX reads this at its first CUDA evaluation: set
+# here where none has run yet (nothing allocated), as a CLI process imports
+# this before it loads a model.
+_FRESH = mx.cuda.is_available() and mx.get_peak_memory() == 0
+if _FRESH:
+    os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "200")
+# calls queued on the GPU past the one the host served last, computed while
+# it serves the next: two where a layer's graph is one command buffer, else one
+AHEAD = 2 if _FRESH and int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0") or 0) >= 100 else 1
+
+_SOURCE = """
+    uint64_t* box = (uint64_t*)box_in;
+    volatile int* mail = (volatile int*)box[0];
+    volatile const int* table = (volatile const int*)box[1];
+    const int slot = (int)box[2];
+    const int layers = (int)box[3];
+    volatile int* posted = mail + 16;
+    volatile int* granted = posted + layers;
+    volatile int* ids_out = granted + layers + slot * MAX_K;
+    volatile int* rows_in = ids_out + layers * MAX_K;
+    __shared__ int row[N];
+    __shared__ int any_miss;
+    const int t = threadIdx.x;
+    const int turn = mail[0];
+    if (t == 0) any_miss = 0;
+    __syncthreads();
+    if (t < N) {
+        int e = (int)ids[t];
+        ids_out[t] = e;
+        row[t] = table[e];
+        if (row[t] < 0) atomicOr(&any_miss, 1);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (t == 0) {
+        posted[slot] = turn;
+        __threadfence_system();
+        if (any_miss) {
+            unsigned long long t0, now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+            while (granted[slot] != turn) {
+                __nanosleep(256);
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                if (now - t0 > TIMEOUT) { mail[1] = slot + 1; break; }
+            }
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (t < N) {
+        int r = row[t] >= 0 ? row[t] : rows_in[t];
+        pos[t] = (uint32_t)(r >= 0 ? r : 0);
+    }
+"""
+
+
+def path_line(calls, device_wait) -> str:
+    """Which path the streamed layers' calls took (``infer run``'s summary, the profile)."""
+    if device_wait:
+        line = (f"Streamed layers: {calls['device']} calls found their experts on the GPU and "
+                f"waited there for misses (device wait), {calls['synced']} synced at their router")
+    else:
+        line = (f"Streamed layers: {calls['synced']} calls synced at their router (no device wait: "
+                f"it needs MLX CUDA, and --device-wait auto)")
+    if calls["whole"]:
+        line += f", {calls['whole']} ran as whole layers (no sync)"
+    return line
+
+
+def _pinned(nbytes):
+    """A page-aligned int32 buffer registered with CUDA, and the address
+    kernels reach it at; None where CUDA refuses."""
+    buf = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+    if not native.cuda_register(buf, False):
+        buf.close()
+        return None
+    dev = native.cuda_device_pointer(buf)
+    if not dev:
+        native.cuda_unregister(buf)
+        buf.close()
+        return None
+    return buf, dev
+
+
+class DeviceWait:
+    """The mailbox, the layers' tables and the calls of the forward being
+    built; one per ExpertStore (``ExpertStore.device``)."""
+
+    def __init__(self, store, layers):
+        self.store = store
+        self.slot = {layer: i for i, layer in enumerate(sorted(layers))}
+        n = len(self.slot)
+        self.experts = max(store.layouts[l].num_experts for l in self.slot)
+        words = HEAD + 2 * n + 2 * n * MAX_K
+        mail, table = _pinned(4 * words), _pinned(4 * n * self.experts)
+        if mail is None or table is None:
+            raise OSError("CUDA did not pin the mailbox")
+        (self._mail_buf, mail_dev), (self._table_buf, table_dev) = mail, table
+        self.mail = np.frombuffer(self._mail_buf, dtype=np.int32, count=words)
+        self.mail[:] = 0
+        self.posted = self.mail[HEAD:HEAD + n]
+        self.granted = self.mail[HEAD + n:HEAD + 2 * n]
+        self.ids = self.mail[HEAD + 2 * n:HEAD + 2 * n + n * MAX_K].reshape(n, MAX_K)
+        self.rows = self.mail[HEAD + 2 * n + n * MAX_K:].reshape(n, MAX_K)
+        self.tables = np.frombuffer(self._table_buf, dtype=np.int32,
+                                    count=n * self.experts).reshape(n, self.experts)
+        self.tables[:] = -1
+        self._args = {layer: mx.array(np.array(
+            [mail_dev, table_dev + 4 * i * self.experts, i, n], dtype=np.uint64))
+            for layer, i in self.slot.items()}
+        self._kernel = mx.fast.cuda_kernel(
+            name="iod_device_wait", input_names=["ids", "box_in"], output_names=["pos"],
+            source=_SOURCE, header=f"#define TIMEOUT {TIMEOUT_NS}ULL\n#define MAX_K {MAX_K}\n")
+        self.turn = 1
+        self.mail[0] = self.turn
+        self.calls = []  # (layer, stack, ids posted, output) of the forward being built
+        self.timeout_s = TIMEOUT_NS / 1e9
+
+    @classmethod
+    def make(cls, store):
+        """A DeviceWait for ``store``'s cached layers where this backend has
+        one (MLX CUDA, records copied in place), else None."""
+        if not mx.cuda.is_available() or mx.default_device() == mx.cpu or not native.cuda_available():
+            return None
+        try:
+            return cls(store, store.cached)
+        except (OSError, RuntimeError, ValueError):
+            return None
+
+    def fits(self, stack, n):
+        """Whether a call of ``n`` ids on ``stack`` can wait on the device:
+        a stack written in place by CUDA copies, holding at least the call."""
+        return (stack.mode == "cuda" and stack.in_place and 0 < n <= MAX_K
+                and n <= stack.capacity and stack.layout.layer in self.slot)
+
+    def positions(self, layer, stack, indices):
+        """The stack positions of ``indices`` (uint32, same shape), found on
+        the device; the host is told the ids when it ``finish``es."""
+        if stack.table_stale:
+            self.sync_table(layer, stack)
+        n = indices.size
+        ids = indices.reshape(-1)
+        if ids.dtype != mx.uint32:  # (one compiled kernel per N: its inputs' types fixed)
+            ids = ids.astype(mx.uint32)
+        pos = self._kernel(
+            inputs=[ids, self._args[layer]], template=[("N", n)], grid=(32, 1, 1),
+            threadgroup=(32, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
+        return pos.reshape(indices.shape)
+
+    def called(self, layer, stack, n, y):
+        """Note a call built on the device path, ``y`` its output."""
+        self.calls.append((layer, stack, n, y))
+
+    def sync_table(self, layer, stack):
+        """The layer's table as its stack's placement is now."""
+        t = self.tables[self.slot[layer]]
+        t[:] = -1
+        if stack.position:
+            t[list(stack.position)] = list(stack.position.values())
+        stack.table_stale = False
+
+    def finish(self, serve):
+        """Queue the forward's calls and serve them in order as the GPU
+        posts their ids: ``serve(layer, stack, ids)`` places and copies in a
+        call's misses and returns {expert: row}. Then the next turn."""
+        calls, self.calls = self.calls, []
+        if not calls:
+            return
+        turn = self.turn
+        prof = self.store.profiler
+        done = 0
+        mx.async_eval(calls[0][3])
+        queued = 1
+        try:
+            for j, (layer, stack, n, _) in enumerate(calls):
+                i = self.slot[layer]
+                t0 = time.monotonic_ns()
+                self._wait_posted(i, turn)
+                t1 = time.monotonic_ns()
+                ids = self.ids[i, :n].tolist()
+                rows = serve(layer, stack, ids)
+                if rows:
+                    self.sync_table(layer, stack)
+                    self.rows[i, :n] = [rows.get(e, -1) for e in ids]
+                    self.granted[i] = turn  # (x86 stores are seen in order)
+                if prof:  # the wait for the GPU to post, then the host's work on the ids
+                    prof.span("compute", layer, t0, t1)
+                    prof.span("host", layer, t1, time.monotonic_ns())
+                done += 1
+                # the graph up to AHEAD calls past this one to the GPU (queued
+                # only once every call before them is served: an async_eval
+                # that MLX makes wait waits for calls that go on by themselves)
+                ahead = min(j + AHEAD, len(calls) - 1)
+                if ahead >= queued:
+                    mx.async_eval(calls[ahead][3])
+                    queued = ahead + 1
+        except BaseException:
+            # the forward raises: its waiting layers go on at once (on row 0)
+            for layer, *_ in calls[done:]:
+                self.rows[self.slot[layer]] = 0
+                self.granted[self.slot[layer]] = turn
+            mx.async_eval(calls[-1][3])  # (what was not queued runs now, on those rows)
+            raise
+        finally:
+            self.turn += 1
+            self.mail[0] = self.turn
+        if self.mail[1]:
+            raise RuntimeError(f"device wait: a layer waited {self.timeout_s:.0f} s for its "
+                               f"experts (slot {self.mail[1] - 1}); its output is wrong")
+
+    def _wait_posted(self, i, turn):
+        t0 = time.monotonic()
+        spins = 0
+        while self.posted[i] != turn:
+            spins += 1
+            if spins > 64:
+                time.sleep(20e-6)
+                if time.monotonic() - t0 > self.timeout_s:
+                    raise RuntimeError(f"device wait: the GPU never reached layer slot {i}")
