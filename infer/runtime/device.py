@@ -8,8 +8,8 @@ the GPU reads, kept current by the host), and writes the ids and a posted
 turn to a mailbox in pinned host memory. With every expert cached it hands
 the positions to the layer's ``gather_qmm`` at once: the call is built and
 run as the resident one is, no host read of device memory. With a miss it
-spins on the layer's granted turn. The host, once the forward is built and
-queued, walks the layers in order: it reads each layer's ids as the GPU
+spins on the layer's granted turn. The host, once the forward is built,
+queues it a few layers at a time and walks the layers in order: it reads each layer's ids as the GPU
 posts them, places the misses (``Placement``), has the source read them
 and copies them into their rows on a stream of its own (``LayerStack.copy_in``),
 updates the table, writes the rows and grants the turn; the GPU goes on.
@@ -247,7 +247,9 @@ class DeviceWait:
             self.mail[0] = self.turn
         if self.mail[1]:
             raise RuntimeError(f"device wait: a layer waited {self.timeout_s:.0f} s for its "
-                               f"experts (slot {self.mail[1] - 1}); its output is wrong")
+                               f"experts (slot {self.mail[1] - 1}), so this forward's output is "
+                               f"wrong and is not used; --device-wait off syncs at each router "
+                               f"instead")
 
     def _wait_posted(self, i, turn):
         t0 = time.monotonic()
@@ -257,4 +259,5 @@ class DeviceWait:
             if spins > 64:
                 time.sleep(20e-6)
                 if time.monotonic() - t0 > self.timeout_s:
-                    raise RuntimeError(f"device wait: the GPU never reached layer slot {i}")
+                    raise RuntimeError(f"device wait: the GPU never reached layer slot {i} "
+                                       f"(--device-wait off syncs at each router instead)")
