@@ -6,6 +6,7 @@ rest of the suite)."""
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
@@ -97,3 +98,173 @@ def test_a_failed_miss_releases_the_gpu_and_the_session_goes_on(synth_model, pre
         assert greedy(model, ids) == expected
     finally:
         source.close()
+
+
+class FakeGPU:
+    """The device wait's kernels run by a thread on the CPU, as the GPU runs
+    them: in queue order, each posts its ids, looks them up in its layer's
+    table and, with a miss, waits for the host's grant, then reads the rows.
+    It records (layer, ids, rows) per call; the model's own output is not
+    used (its positions are zeros), so this checks the host's protocol."""
+
+    def __init__(self, monkeypatch):
+        import mmap
+        import threading
+
+        from infer.runtime import device
+
+        self.device = device
+        self.log, self.pending, self.kernels = [], [], {}
+        self.lock = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.stop = False
+        monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
+        monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: self._kernel, raising=False)
+        monkeypatch.setattr(device, "_queue", self._queue)
+        monkeypatch.setattr(device.DeviceWait, "fits",
+                            lambda dw, stack, n: stack.in_place and 0 < n <= stack.capacity)
+        self.thread.start()
+
+    def _kernel(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        ids, box = inputs
+        self.last = (ids, int(np.array(box)[2]))  # the call being built's ids and layer slot
+        return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+
+    def _queue(self, y):
+        """The calls built up to ``y`` that are not queued yet, in order."""
+        dw = self.store.device
+        calls = [c for c in dw.calls_seen if c[3] is not None]  # (None: queued already)
+        upto = next(i for i, c in enumerate(calls) if c[3] is y)
+        todo = []
+        for call in calls[: upto + 1]:
+            ids, slot = call[4]
+            todo.append((slot, np.array(ids).astype(np.int64).ravel().tolist(), int(dw.mail[0])))
+            call[3] = None  # queued
+        with self.lock:
+            self.pending += todo
+            self.lock.notify()
+
+    def _run(self):
+        import time
+
+        while not self.stop:
+            with self.lock:
+                while not self.pending and not self.stop:
+                    self.lock.wait(0.1)
+                if self.stop:
+                    return
+                slot, ids, turn = self.pending.pop(0)
+            dw = self.store.device
+            dw.ids[slot, : len(ids)] = ids
+            rows = [int(dw.tables[slot, e]) for e in ids]
+            dw.posted[slot] = turn
+            waited = min(rows) < 0
+            if waited:
+                t0 = time.monotonic()
+                while dw.granted[slot] != turn:
+                    time.sleep(1e-4)
+                    if time.monotonic() - t0 > 10:
+                        dw.mail[1] = slot + 1
+                        break
+                rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
+            self.log.append((slot, ids, rows, waited))
+
+    def watch(self, store):
+        """Keep each call's kernel inputs as the store notes the call."""
+        self.store = store
+        dw = store.device
+        dw.calls_seen = []
+        noted = dw.called
+
+        def called(layer, stack, n, y):
+            noted(layer, stack, n, y)
+            dw.calls_seen.append([layer, stack, n, y, self.last])
+
+        dw.called = called
+
+    def close(self):
+        """Let the queued calls run, then stop."""
+        import time
+
+        t0 = time.monotonic()
+        while self.pending and time.monotonic() - t0 < 20:
+            time.sleep(0.01)
+        self.stop = True
+        self.thread.join()
+
+
+def _fake_session(prep, gpu, fraction=0.15):
+    from infer.runtime.device import DeviceWait
+
+    source = InprocSource(prep, arena=64 << 20)
+    model, tokenizer, store = load_streaming(prep, source, int(source.manifest.expert_bytes * fraction),
+                                             device_wait=False)
+    store.device = DeviceWait(store, store.cached)
+    gpu.watch(store)
+    return source, model, tokenizer, store
+
+
+def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model, monkeypatch):
+    """On the CPU, with the kernels run by a thread as the GPU runs them:
+    every call's rows, as the kernel reads them from its table and the
+    host's grant, are the rows the host placed its experts in, and each of
+    those rows holds that expert's record by then; every miss is granted,
+    no kernel waits out its timeout, and the cache evicts as it goes."""
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    host_rows = []
+    serve = store.serve_device
+
+    def checking(layer, stack, ids):
+        places = serve(layer, stack, ids)
+        records = source.read(layer, sorted(set(ids)))
+        for s in stack.layout.segments:
+            arr = np.array(stack.arrays[(s.projection, s.tensor)].view(mx.uint8))
+            for e in set(ids):
+                got = arr[stack.position[e]].tobytes()
+                assert got == records[e][s.offset : s.offset + s.nbytes], (layer, e, s.tensor)
+        host_rows.append([stack.position[e] for e in ids])
+        return places
+
+    store.serve_device = checking
+    try:
+        list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=24))
+    finally:
+        gpu.close()
+        source.close()
+    assert not store.device.mail[1]
+    assert len(gpu.log) == store.stats["device_calls"] == len(host_rows) > 0
+    assert [rows for _, _, rows, _ in gpu.log] == host_rows
+    assert all(len(set(rows)) == len(set(ids)) for _, ids, rows, _ in gpu.log)
+    assert any(waited for *_, waited in gpu.log) and not all(waited for *_, waited in gpu.log)
+    assert store.stats["synced_calls"] > 0  # the prefill's calls sync
+    assert any(len(s.position) == s.capacity for s in store.stacks.values())  # full: evicting
+
+
+def test_a_failed_read_releases_every_waiting_kernel(prep_model, monkeypatch):
+    """The source fails on a call's misses: the forward raises, and every
+    kernel of it, that one's and those queued behind it, runs on at once
+    (granted), none waits out its timeout."""
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    serve, served = store.serve_device, [0]
+
+    def failing(layer, stack, ids):
+        if any(e not in stack for e in ids):
+            served[0] += 1
+            if served[0] == 3:
+                raise OSError("the disk went away")
+        return serve(layer, stack, ids)
+
+    store.serve_device = failing
+    try:
+        with pytest.raises(OSError, match="went away"):
+            list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=24))
+    finally:
+        gpu.close()
+        source.close()
+    assert not store.device.mail[1]
+    queued = sum(1 for c in store.device.calls_seen if c[3] is None)
+    assert len(gpu.log) == queued > 0

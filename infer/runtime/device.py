@@ -12,7 +12,9 @@ spins on the layer's granted turn. The host, once the forward is built,
 queues it a few layers at a time and walks the layers in order: it reads each layer's ids as the GPU
 posts them, places the misses (``Placement``), has the source read them
 and copies them into their rows on a stream of its own (``LayerStack.copy_in``),
-updates the table, writes the rows and grants the turn; the GPU goes on.
+writes the rows and grants the turn; the GPU goes on. A table is rewritten
+from its placement when the next forward is built, before any of its
+kernels is queued.
 
 Exact: the expert math is the same ``gather_qmm`` on the same stack rows
 as the host-synced call. Safe by order: a row is written only while its
@@ -106,6 +108,11 @@ def path_line(calls, device_wait) -> str:
     if calls["whole"]:
         line += f", {calls['whole']} ran as whole layers (no sync)"
     return line
+
+
+def _queue(y):
+    """Start the GPU on the graph up to ``y`` (a test runs a fake GPU here)."""
+    mx.async_eval(y)
 
 
 def _pinned(nbytes):
@@ -210,7 +217,7 @@ class DeviceWait:
         turn = self.turn
         prof = self.store.profiler
         done = 0
-        mx.async_eval(calls[0][3])
+        _queue(calls[0][3])
         queued = 1
         try:
             for j, (layer, stack, n, _) in enumerate(calls):
@@ -220,8 +227,7 @@ class DeviceWait:
                 t1 = time.monotonic_ns()
                 ids = self.ids[i, :n].tolist()
                 rows = serve(layer, stack, ids)
-                if rows:
-                    self.sync_table(layer, stack)
+                if rows:  # (the table follows at the next forward's build: positions)
                     self.rows[i, :n] = [rows.get(e, -1) for e in ids]
                     self.granted[i] = turn  # (x86 stores are seen in order)
                 if prof:  # the wait for the GPU to post, then the host's work on the ids
@@ -233,14 +239,14 @@ class DeviceWait:
                 # that MLX makes wait waits for calls that go on by themselves)
                 ahead = min(j + AHEAD, len(calls) - 1)
                 if ahead >= queued:
-                    mx.async_eval(calls[ahead][3])
+                    _queue(calls[ahead][3])
                     queued = ahead + 1
         except BaseException:
             # the forward raises: its waiting layers go on at once (on row 0)
             for layer, *_ in calls[done:]:
                 self.rows[self.slot[layer]] = 0
                 self.granted[self.slot[layer]] = turn
-            mx.async_eval(calls[-1][3])  # (what was not queued runs now, on those rows)
+            _queue(calls[-1][3])  # (what was not queued runs now, on those rows)
             raise
         finally:
             self.turn += 1
