@@ -2,7 +2,8 @@
 session that pinned the whole arena while it was alone and was then stopped
 (SIGSTOP, as Ctrl-Z does) loses its pins once it has said nothing for
 --pin-timeout while another waits for a slot; the other goes on; the stopped
-one, continued, gets PINS_EXPIRED and uses none of what it copied.
+one, continued, gets PINS_EXPIRED and uses none of what it copied (a streaming
+session reconnects and fetches again by itself).
 
 Figures are printed as one JSON line (run with -s to see them)."""
 
@@ -178,5 +179,38 @@ def test_a_slot_filled_again_under_a_copy_is_never_used(model):
             assert e.value.code == E.PINS_EXPIRED
             assert "layer 1 expert 3: slot " in str(e.value) and "was filled again" in str(e.value)
             mm.close()
+    finally:
+        d.stop()
+
+
+def test_a_streaming_session_whose_pins_were_taken_back_carries_on(prep_model, synth_model):
+    """A generating session whose pins the daemon takes back (it zeroes the
+    session's owner word first, as for a stopped session) finds out at its
+    next fetch, says BYE and HELLO again, fetches once more, and decodes
+    mlx-lm's greedy ids to the end."""
+    import mlx.core as mx
+    from mlx_lm import load as mlx_load
+    from mlx_lm.generate import generate_step
+
+    from infer.runtime.loader import load_streaming
+
+    prep, src = prep_model("qwen3_moe"), synth_model("qwen3_moe")
+    ref, tokenizer = mlx_load(str(src))
+    prompt = mx.array(tokenizer.encode("The lighthouse keeper counted the ships"))
+    want = [int(t) for t, _ in generate_step(prompt, ref, max_tokens=24)]
+    d = LiveDaemon(args=["--arena", "64M"])
+    try:
+        source = IodClient(prep, iod=str(d.socket))
+        model, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15))
+        got, first = [], source.session_id
+        for i, (t, _) in enumerate(generate_step(prompt, model, max_tokens=24)):
+            got.append(int(t))
+            if i == 8:  # what the daemon does before it takes a session's pins back
+                native.store_u64(source._pins_view, source._owner_off, 0)
+        assert got == want
+        assert store.stats["reconnects"] == 1 and source.session_id != first
+        sessions = stats(d.socket)["sessions"]
+        assert [s["pid"] for s in sessions] == [os.getpid()]
+        source.close()
     finally:
         d.stop()

@@ -34,7 +34,7 @@ from shared.source import Batch
 
 from infer.runtime.placement import Placement
 from infer.runtime.budget import cached_layers, split_cache
-from infer.runtime.client import DaemonDead
+from infer.runtime.client import DaemonDead, PinsExpired
 from infer.runtime.gate import PredictionGate
 from infer.runtime.prefetch import DECODE_ROWS, Prefetcher
 
@@ -458,11 +458,14 @@ class ExpertStore:
         """A source call that survives the death of the daemon: the client
         attaches to a fresh one (with ``iod="auto"`` it starts one if none
         runs; with a socket, a daemon restarted there) or raises DaemonDead.
-        The experts already copied into the stacks stay valid, so generation
-        carries on."""
+        And one whose pins the daemon took back (the session stood still,
+        stopped, while it held more than its share of the arena): BYE, HELLO
+        again, and the call once more, its copies made again over whatever
+        the expired pins let through. The experts already copied into the
+        stacks stay valid, so generation carries on."""
         try:
             return getattr(self.source, name)(*args)
-        except DaemonDead:
+        except (DaemonDead, PinsExpired):
             self.stats["reconnects"] = self.stats.get("reconnects", 0) + 1
             self.source.reconnect()
             return getattr(self.source, name)(*args)
