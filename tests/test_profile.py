@@ -296,6 +296,10 @@ def test_infer_run_profile_writes_trace_plot_and_summary(synth_model, prep_model
     md = (out / "summary.md").read_text()
     assert "| disk read |" in md and "Per MoE layer" in md and "Bytes per token" in md
     assert "Bursts of demand reads" in md and "the `iod doctor` ceiling of 1000 MB/s" in md
+    # which path the streamed calls took: on the CPU each syncs at its router
+    calls = result["stats"]["layer_calls"]
+    assert calls["synced"] > 0 and calls["device"] == 0
+    assert f"Streamed layers: {calls['synced']} calls synced at their router (no device wait" in md
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

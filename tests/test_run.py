@@ -117,6 +117,8 @@ def test_run_prints_text_and_stats_in_mlx_lm_shape(prep_model, run_dir):
     assert tail[6] == ("Prediction (hinting iod the next layers' likely experts): on in 9 of 9 "
                        "decode passes"), tail
     assert tail[7].startswith("Settings: dtype float32 (auto: the folder's); expert cache "), tail
+    assert re.fullmatch(r"Streamed layers: \d+ calls synced at their router \(no device wait: it "
+                        r"needs MLX CUDA, and --device-wait auto\)", tail[8]), tail
     assert r.stderr == ""
 
     quiet = run_cli(["--model", prep, "-p", PROMPT, "-m", "8", "--verbose", "False"])
