@@ -118,6 +118,7 @@ class FakeGPU:
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.stop = False
+        self.timeouts = 0  # kernels that gave up waiting for their grant
         monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
         monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: self._kernel, raising=False)
         monkeypatch.setattr(device, "_queue", self._queue)
@@ -165,6 +166,7 @@ class FakeGPU:
                     time.sleep(1e-4)
                     if time.monotonic() - t0 > 10:
                         dw.mail[1] = slot + 1
+                        self.timeouts += 1
                         break
                 rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
             self.log.append((slot, ids, rows, waited))
@@ -233,7 +235,7 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
     finally:
         gpu.close()
         source.close()
-    assert not store.device.mail[1]
+    assert gpu.timeouts == 0
     assert len(gpu.log) == store.stats["device_calls"] == len(host_rows) > 0
     assert [rows for _, _, rows, _ in gpu.log] == host_rows
     assert all(len(set(rows)) == len(set(ids)) for _, ids, rows, _ in gpu.log)
@@ -268,3 +270,22 @@ def test_a_failed_read_releases_every_waiting_kernel(prep_model, monkeypatch):
     assert not store.device.mail[1]
     queued = sum(1 for c in store.device.calls_seen if c[3] is None)
     assert len(gpu.log) == queued > 0
+
+
+def test_a_kernel_that_timed_out_fails_its_forward_only(prep_model, monkeypatch):
+    """A kernel that gave up waiting (its slot in the error word): that
+    forward raises, naming the slot, and the next generation runs clear."""
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    try:
+        with pytest.raises(RuntimeError, match=r"waited 20 s for its experts \(slot 2\)"):
+            for i, _ in enumerate(generate_step(prompt, model, max_tokens=24)):
+                if i == 4:
+                    store.device.mail[1] = 3  # as the kernel of slot 2 does when it gives up
+        assert len(list(generate_step(prompt, model, max_tokens=8))) == 8
+    finally:
+        gpu.close()
+        source.close()
+    assert gpu.timeouts == 0

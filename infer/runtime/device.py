@@ -251,9 +251,10 @@ class DeviceWait:
         finally:
             self.turn += 1
             self.mail[0] = self.turn
-        if self.mail[1]:
+        timed_out, self.mail[1] = int(self.mail[1]), 0  # (the next forward starts clear)
+        if timed_out:
             raise RuntimeError(f"device wait: a layer waited {self.timeout_s:.0f} s for its "
-                               f"experts (slot {self.mail[1] - 1}), so this forward's output is "
+                               f"experts (slot {timed_out - 1}), so this forward's output is "
                                f"wrong and is not used; --device-wait off syncs at each router "
                                f"instead")
 
