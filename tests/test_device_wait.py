@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 
 from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
+from tests.test_streaming import PROMPT, greedy
 
 CUDA = mx.cuda.is_available()
 ARCHS = [
@@ -22,12 +23,6 @@ ARCHS = [
     ("gpt_oss", "mxfp4"),
     ("deepseek_v3", "affine4"),
 ]
-PROMPT = "The lighthouse keeper counted the ships: one, two, three"
-N_TOKENS = 48
-
-
-def greedy(model, ids, n=N_TOKENS):
-    return [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=n)]
 
 
 def test_the_device_wait_is_off_where_the_backend_has_none(prep_model):

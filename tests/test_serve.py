@@ -25,11 +25,12 @@ PROMPT = "Write a list of colors: red, green, blue"
 N = 16
 
 
-def start_server(prep, sock, env, *extra):
+def spawn_server(prep, env, *extra, log_level="WARNING", new_session=False):
+    """An `infer serve` on a free port, once it listens: (process, host:port)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "infer.cli", "serve", "--model", str(prep), "--port", "0",
-         "--iod", str(sock), "--log-level", "WARNING", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+         "--log-level", log_level, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=new_session)
     line = proc.stdout.readline()
     if "listening on http://" not in line:
         proc.kill()
@@ -37,14 +38,26 @@ def start_server(prep, sock, env, *extra):
     return proc, line.strip().rsplit("/", 1)[-1]
 
 
-@pytest.fixture(scope="module")
-def live(prep_model):
-    folder = short_dir("iodv-")
+def start_server(prep, sock, env, *extra):
+    """``spawn_server`` on the daemon at ``sock``."""
+    return spawn_server(prep, env, "--iod", str(sock), *extra)
+
+
+def server_on_a_daemon(prep, prefix):
+    """A daemon in a run dir of its own and an `infer serve` on it, --dtype
+    float32 (on a float32 folder: the flag's path, same answers):
+    (run dir, daemon, process, host:port)."""
+    folder = short_dir(prefix)
     env = dict(os.environ, IOD_RUN_DIR=str(folder))
     daemon = LiveDaemon(folder, env=env)
-    prep = prep_model("qwen3_moe")
-    # --dtype float32 on a float32 folder: the flag's path, same answers
     proc, hostport = start_server(prep, daemon.socket, env, "--dtype", "float32")
+    return folder, daemon, proc, hostport
+
+
+@pytest.fixture(scope="module")
+def live(prep_model):
+    prep = prep_model("qwen3_moe")
+    folder, daemon, proc, hostport = server_on_a_daemon(prep, "iodv-")
     client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
                            max_retries=0)
     yield dict(daemon=daemon, proc=proc, hostport=hostport, client=client, prep=prep)

@@ -21,7 +21,7 @@ from mlx_lm import generate as mlx_generate
 from mlx_lm import load as mlx_load
 
 from shared.fixtures import LiveDaemon, shm_entries, short_dir, wait_for
-from tests.test_serve import PROMPT, start_server
+from tests.test_serve import PROMPT, server_on_a_daemon, spawn_server, start_server
 
 LONG = 600  # tokens the bystanders generate while the attacks come
 NAN = float("nan")
@@ -29,16 +29,8 @@ NAN = float("nan")
 
 def spawn(prep, env, *extra, log_level="WARNING"):
     """An `infer serve` with --iod auto (a private daemon where ``env``'s run
-    dir has no shared one): (process, host:port)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "infer.cli", "serve", "--model", str(prep), "--port", "0",
-         "--log-level", log_level, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    line = proc.stdout.readline()
-    if "listening on http://" not in line:
-        proc.kill()
-        raise AssertionError(f"no listening line: {line!r} {proc.stderr.read()}")
-    return proc, line.strip().rsplit("/", 1)[-1]
+    dir has no shared one), in a session of its own: (process, host:port)."""
+    return spawn_server(prep, env, *extra, log_level=log_level, new_session=True)
 
 
 def stop(proc):
@@ -126,11 +118,8 @@ def cpu_seconds(pid) -> float:
 @pytest.fixture(scope="module")
 def served(prep_model):
     """One server on a shared daemon, as users run it (no new option)."""
-    folder = short_dir("iodh-")
-    env = dict(os.environ, IOD_RUN_DIR=str(folder))
-    daemon = LiveDaemon(folder, env=env)
     prep = prep_model("qwen3_moe")
-    proc, hostport = start_server(prep, daemon.socket, env, "--dtype", "float32")
+    folder, daemon, proc, hostport = server_on_a_daemon(prep, "iodh-")
     yield dict(proc=proc, hostport=hostport, prep=prep, daemon=daemon)
     stop(proc)
     daemon.stop()
