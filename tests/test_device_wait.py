@@ -8,12 +8,11 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load as mlx_load
 from mlx_lm.generate import generate_step
 
 from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
-from tests.test_streaming import PROMPT, greedy
+from tests.test_streaming import PROMPT, greedy, mlx_reference
 
 CUDA = mx.cuda.is_available()
 ARCHS = [
@@ -40,12 +39,8 @@ def test_the_device_wait_is_off_where_the_backend_has_none(prep_model):
 @pytest.mark.skipif(not CUDA, reason="MLX CUDA only")
 @pytest.mark.parametrize("arch,quant", ARCHS)
 def test_device_wait_gives_mlx_lm_greedy_ids(arch, quant, synth_model, prep_model):
-    src = synth_model(arch, quant=quant)
     prep = prep_model(arch, quant=quant)
-    ref, tokenizer = mlx_load(str(src))
-    ids = tokenizer.encode(PROMPT)
-    expected = greedy(ref, ids)
-    del ref
+    ids, expected = mlx_reference(synth_model(arch, quant=quant))
     for fraction in (0.15, 0.5):
         for device_wait in (True, False):
             source = InprocSource(prep, arena=64 << 20)
@@ -66,11 +61,8 @@ def test_a_failed_miss_releases_the_gpu_and_the_session_goes_on(synth_model, pre
     """A source that fails while the GPU waits: the forward raises at once
     (no kernel left waiting out its timeout), and the next forwards, their
     misses served, give the right ids again."""
-    src = synth_model("qwen3_moe")
     prep = prep_model("qwen3_moe")
-    ref, tokenizer = mlx_load(str(src))
-    ids = tokenizer.encode(PROMPT)
-    expected = greedy(ref, ids)
+    ids, expected = mlx_reference(synth_model("qwen3_moe"))
     source = InprocSource(prep, arena=64 << 20)
     try:
         model, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15))

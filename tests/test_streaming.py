@@ -29,6 +29,13 @@ def greedy(model, ids, n=N_TOKENS):
     return [int(t) for t, _ in generate_step(prompt, model, max_tokens=n)]
 
 
+def mlx_reference(src):
+    """(PROMPT's ids, mlx-lm's greedy ids after them) of the model folder ``src``, whole in memory."""
+    model, tokenizer = mlx_load(str(src))
+    ids = tokenizer.encode(PROMPT)
+    return ids, greedy(model, ids)
+
+
 @pytest.fixture(scope="module")
 def references():
     return {}
@@ -36,12 +43,8 @@ def references():
 
 @pytest.mark.parametrize("arch,quant", ARCHS)
 def test_greedy_ids_equal_mlx_lm(arch, quant, synth_model, prep_model, references):
-    src = synth_model(arch, quant=quant)
     prep = prep_model(arch, quant=quant)
-    ref_model, tokenizer = mlx_load(str(src))
-    ids = tokenizer.encode(PROMPT)
-    expected = greedy(ref_model, ids)
-    del ref_model
+    ids, expected = mlx_reference(synth_model(arch, quant=quant))
 
     expert_bytes = None
     for cache_fraction in (1.0, 0.15, 0.0):
