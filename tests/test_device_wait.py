@@ -68,11 +68,11 @@ def test_a_failed_miss_releases_the_gpu_and_the_session_goes_on(synth_model, pre
         model, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15))
         serve, failures = store.serve_device, [0]
 
-        def failing(layer, stack, posted):
+        def failing(layer, stack, posted, guesses=None):
             if failures[0] == 0 and any(e not in stack for e in posted):
                 failures[0] += 1
                 raise OSError("the disk went away")
-            return serve(layer, stack, posted)
+            return serve(layer, stack, posted, guesses)
 
         store.serve_device = failing
         t0 = time.monotonic()
@@ -114,8 +114,10 @@ class FakeGPU:
         self.thread.start()
 
     def _kernel(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        ids, box = inputs
-        self.last = (ids, int(np.array(box)[2]))  # the call being built's ids and layer slot
+        ids, guess, box = inputs
+        g = dict(template)["G"]
+        # the call being built's ids, layer slot and guessed ids
+        self.last = (ids, int(np.array(box)[2]), guess if g else None)
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
 
     def _queue(self, y):
@@ -125,8 +127,9 @@ class FakeGPU:
         upto = next(i for i, c in enumerate(calls) if c[3] is y)
         todo = []
         for call in calls[: upto + 1]:
-            ids, slot = call[4]
-            todo.append((slot, np.array(ids).astype(np.int64).ravel().tolist(), int(dw.mail[0])))
+            ids, slot, guess = call[4]
+            guess = [] if guess is None else np.array(guess).astype(np.int64).tolist()
+            todo.append((slot, np.array(ids).astype(np.int64).ravel().tolist(), guess, int(dw.mail[0])))
             call[3] = None  # queued
         with self.lock:
             self.pending += todo
@@ -141,9 +144,10 @@ class FakeGPU:
                     self.lock.wait(0.1)
                 if self.stop:
                     return
-                slot, ids, turn = self.pending.pop(0)
+                slot, ids, guess, turn = self.pending.pop(0)
             dw = self.store.device
             dw.ids[slot, : len(ids)] = ids
+            dw.guesses[slot, : len(guess)] = guess
             rows = [int(dw.tables[slot, e]) for e in ids]
             dw.posted[slot] = turn
             waited = min(rows) < 0
@@ -165,8 +169,8 @@ class FakeGPU:
         dw.calls_seen = []
         noted = dw.called
 
-        def called(layer, stack, n, y):
-            noted(layer, stack, n, y)
+        def called(layer, stack, n, y, *guesses):
+            noted(layer, stack, n, y, *guesses)
             dw.calls_seen.append([layer, stack, n, y, self.last])
 
         dw.called = called
@@ -205,8 +209,8 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
     host_rows = []
     serve = store.serve_device
 
-    def checking(layer, stack, ids):
-        places = serve(layer, stack, ids)
+    def checking(layer, stack, ids, guesses=None):
+        places = serve(layer, stack, ids, guesses)
         records = source.read(layer, sorted(set(ids)))
         for s in stack.layout.segments:
             arr = np.array(stack.arrays[(s.projection, s.tensor)].view(mx.uint8))
@@ -240,12 +244,12 @@ def test_a_failed_read_releases_every_waiting_kernel(prep_model, monkeypatch):
     source, model, tokenizer, store = _fake_session(prep, gpu)
     serve, served = store.serve_device, [0]
 
-    def failing(layer, stack, ids):
+    def failing(layer, stack, ids, guesses=None):
         if any(e not in stack for e in ids):
             served[0] += 1
             if served[0] == 3:
                 raise OSError("the disk went away")
-        return serve(layer, stack, ids)
+        return serve(layer, stack, ids, guesses)
 
     store.serve_device = failing
     try:
@@ -276,3 +280,46 @@ def test_a_kernel_that_timed_out_fails_its_forward_only(prep_model, monkeypatch)
         gpu.close()
         source.close()
     assert gpu.timeouts == 0
+
+
+def test_the_next_layers_guesses_come_back_with_the_ids_and_are_hinted(prep_model, monkeypatch):
+    """Each device-path call posts the next layers' guesses beside its ids:
+    the host reads back exactly the guesses the predictor made from that
+    call's input (layer, depth, ids), scores them at those layers' calls
+    and hints the source to read them ahead."""
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    ahead = store.prefetcher
+    made, hinted = [], []
+    predict, prefetch = ahead.predict, ahead.prefetch
+
+    def predicting(layer, x):
+        guesses = predict(layer, x)
+        if x.size != x.shape[-1] or not guesses:
+            return guesses  # a prefill's (its calls sync), or none to post
+        made.append([(g[0], g[1], np.array(g[2][0])[:, g[2][1], : g[2][2]] if isinstance(g[2], tuple)
+                      else np.array(g[2])) for g in guesses])
+        return guesses
+
+    def prefetching(guesses, misses=None):
+        if any(not isinstance(g[2], np.ndarray) or g[2].shape[0] != 1 for g in guesses):
+            return prefetch(guesses, misses)  # a prefill's
+        hinted.append([(g[0], g[1], np.array(g[2])) for g in guesses])
+        return prefetch(guesses, misses)
+
+    monkeypatch.setattr(ahead, "predict", predicting)
+    monkeypatch.setattr(ahead, "prefetch", prefetching)
+    try:
+        list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=16))
+    finally:
+        gpu.close()
+        source.close()
+    assert store.stats["device_calls"] > 0 and len(hinted) > 0
+    assert len(made) == len(hinted)
+    for ours, theirs in zip(made, hinted):
+        assert [(l, d) for l, d, _ in ours] == [(l, d) for l, d, _ in theirs]
+        assert all(np.array_equal(a.astype(np.int64), b.astype(np.int64)) for (_, _, a), (_, _, b) in zip(ours, theirs))
+    assert any(g for g in hinted)
+    assert store.stats["prefetched"] > 0
+    assert sum(ahead.prediction[1][:2]) > 0  # depth-1 guesses scored at the next layers' calls

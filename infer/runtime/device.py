@@ -37,6 +37,7 @@ import numpy as np
 import native
 
 MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
+MAX_G = 1024  # guessed ids a call may post (the next layers'); more: it posts none
 TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
 HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
 # One MLX command buffer a layer's graph, not one per 20 kernels: MLX blocks
@@ -61,6 +62,7 @@ _SOURCE = """
     volatile int* granted = posted + layers;
     volatile int* ids_out = granted + layers + slot * MAX_K;
     volatile int* rows_in = ids_out + layers * MAX_K;
+    volatile int* guess_out = granted + layers + 2 * layers * MAX_K + slot * MAX_G;
     __shared__ int row[N];
     __shared__ int any_miss;
     const int t = threadIdx.x;
@@ -73,6 +75,7 @@ _SOURCE = """
         row[t] = table[e];
         if (row[t] < 0) atomicOr(&any_miss, 1);
     }
+    for (int i = t; i < G; i += 32) guess_out[i] = (int)guess[i];
     __threadfence_system();
     __syncthreads();
     if (t == 0) {
@@ -139,7 +142,7 @@ class DeviceWait:
         self.slot = {layer: i for i, layer in enumerate(sorted(layers))}
         n = len(self.slot)
         self.experts = max(store.layouts[l].num_experts for l in self.slot)
-        words = HEAD + 2 * n + 2 * n * MAX_K
+        words = HEAD + 2 * n + 2 * n * MAX_K + n * MAX_G
         mail, table = _pinned(4 * words), _pinned(4 * n * self.experts)
         if mail is None or table is None:
             raise OSError("CUDA did not pin the mailbox")
@@ -149,7 +152,8 @@ class DeviceWait:
         self.posted = self.mail[HEAD:HEAD + n]
         self.granted = self.mail[HEAD + n:HEAD + 2 * n]
         self.ids = self.mail[HEAD + 2 * n:HEAD + 2 * n + n * MAX_K].reshape(n, MAX_K)
-        self.rows = self.mail[HEAD + 2 * n + n * MAX_K:].reshape(n, MAX_K)
+        self.rows = self.mail[HEAD + 2 * n + n * MAX_K:HEAD + 2 * n + 2 * n * MAX_K].reshape(n, MAX_K)
+        self.guesses = self.mail[HEAD + 2 * n + 2 * n * MAX_K:].reshape(n, MAX_G)
         self.tables = np.frombuffer(self._table_buf, dtype=np.int32,
                                     count=n * self.experts).reshape(n, self.experts)
         self.tables[:] = -1
@@ -157,11 +161,15 @@ class DeviceWait:
             [mail_dev, table_dev + 4 * i * self.experts, i, n], dtype=np.uint64))
             for layer, i in self.slot.items()}
         self._kernel = mx.fast.cuda_kernel(
-            name="iod_device_wait", input_names=["ids", "box_in"], output_names=["pos"],
-            source=_SOURCE, header=f"#define TIMEOUT {TIMEOUT_NS}ULL\n#define MAX_K {MAX_K}\n")
+            name="iod_device_wait", input_names=["ids", "guess", "box_in"], output_names=["pos"],
+            source=_SOURCE,
+            header=f"#define TIMEOUT {TIMEOUT_NS}ULL\n#define MAX_K {MAX_K}\n#define MAX_G {MAX_G}\n")
+        self._no_guess = mx.zeros((1,), dtype=mx.uint32)
         self.turn = 1
         self.mail[0] = self.turn
-        self.calls = []  # (layer, stack, ids posted, output) of the forward being built
+        # (layer, stack, ids posted, output, guesses' readback or None, guessed
+        # ids posted) of the forward being built
+        self.calls = []
         self.timeout_s = TIMEOUT_NS / 1e9
 
     @classmethod
@@ -181,23 +189,29 @@ class DeviceWait:
         return (stack.mode == "cuda" and stack.in_place and 0 < n <= MAX_K
                 and n <= stack.capacity and stack.layout.layer in self.slot)
 
-    def positions(self, layer, stack, indices):
+    def positions(self, layer, stack, indices, guess=None):
         """The stack positions of ``indices`` (uint32, same shape), found on
-        the device; the host is told the ids when it ``finish``es."""
+        the device; the host is told the ids, and ``guess`` (the next layers'
+        guessed ids, flat uint32, or None) with them, when it ``finish``es."""
         if stack.table_stale:
             self.sync_table(layer, stack)
         n = indices.size
         ids = indices.reshape(-1)
         if ids.dtype != mx.uint32:  # (one compiled kernel per N: its inputs' types fixed)
             ids = ids.astype(mx.uint32)
+        if guess is None:
+            guess = self._no_guess
+        g = guess.size if guess is not self._no_guess else 0
         pos = self._kernel(
-            inputs=[ids, self._args[layer]], template=[("N", n)], grid=(32, 1, 1),
+            inputs=[ids, guess, self._args[layer]], template=[("N", n), ("G", g)], grid=(32, 1, 1),
             threadgroup=(32, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
         return pos.reshape(indices.shape)
 
-    def called(self, layer, stack, n, y):
-        """Note a call built on the device path, ``y`` its output."""
-        self.calls.append((layer, stack, n, y))
+    def called(self, layer, stack, n, y, readback=None, guessed=0):
+        """Note a call built on the device path, ``y`` its output; it posts
+        ``guessed`` ids of guesses, which ``readback`` (Prefetcher.lazy_ids)
+        turns into the next layers' guesses."""
+        self.calls.append((layer, stack, n, y, readback, guessed))
 
     def sync_table(self, layer, stack):
         """The layer's table as its stack's placement is now."""
@@ -209,8 +223,9 @@ class DeviceWait:
 
     def finish(self, serve):
         """Queue the forward's calls and serve them in order as the GPU
-        posts their ids: ``serve(layer, stack, ids)`` places and copies in a
-        call's misses and returns {expert: row}. Then the next turn."""
+        posts their ids: ``serve(layer, stack, ids, guesses)`` places and
+        copies in a call's misses (and hints its guesses) and returns
+        {expert: row}. Then the next turn."""
         calls, self.calls = self.calls, []
         if not calls:
             return
@@ -220,13 +235,14 @@ class DeviceWait:
         _queue(calls[0][3])
         queued = 1
         try:
-            for j, (layer, stack, n, _) in enumerate(calls):
+            for j, (layer, stack, n, _, readback, guessed) in enumerate(calls):
                 i = self.slot[layer]
                 t0 = time.monotonic_ns()
                 self._wait_posted(i, turn)
                 t1 = time.monotonic_ns()
                 ids = self.ids[i, :n].tolist()
-                rows = serve(layer, stack, ids)
+                guesses = readback(self.guesses[i, :guessed].astype(np.uint32)) if readback else None
+                rows = serve(layer, stack, ids, guesses)
                 if rows:  # (the table follows at the next forward's build: positions)
                     self.rows[i, :n] = [rows.get(e, -1) for e in ids]
                     self.granted[i] = turn  # (x86 stores are seen in order)

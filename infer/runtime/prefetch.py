@@ -148,24 +148,39 @@ class Prefetcher:
         """A call's routed ``indices`` and its ``guesses``' lazy ids read back
         in one sync (on MLX CUDA each host read of device memory costs):
         (ids, the guesses with numpy ids)."""
-        lazy, place = [indices], {}
+        flat, readback = Prefetcher.lazy_ids(guesses)
+        if flat is None:
+            return np.array(indices), guesses
+        host = np.array(mx.concatenate([indices.reshape(-1).astype(mx.uint32), flat]))
+        return host[: indices.size].reshape(indices.shape), readback(host[indices.size :])
+
+    @staticmethod
+    def lazy_ids(guesses):
+        """(flat, readback): the ``guesses``' lazy ids as one flat uint32 MLX
+        array (None if none is lazy), and ``readback(host)``, which takes that
+        array's values (numpy) to the guesses with numpy ids."""
+        lazy, place = [], {}
         for g in guesses:
             if isinstance(g[2], tuple) and id(g[2][0]) not in place:
                 place[id(g[2][0])] = len(lazy)
                 lazy.append(g[2][0])
-        if len(lazy) == 1:
-            return np.array(indices), guesses
-        flat = np.array(mx.concatenate([a.reshape(-1).astype(mx.uint32) for a in lazy]))
+        if not lazy:
+            return None, lambda host: guesses
         ends = np.cumsum([0] + [a.size for a in lazy])
-        host = [flat[a:b].reshape(arr.shape) for arr, a, b in zip(lazy, ends, ends[1:])]
-        out = []
-        for g in guesses:
-            ids = g[2]
-            if isinstance(ids, tuple):
-                arr, j, n = ids
-                ids = host[place[id(arr)]][:, j, :n]
-            out.append((*g[:2], ids, *g[3:]))
-        return host[0], out
+        shapes = [a.shape for a in lazy]
+
+        def readback(host):
+            arrays = [host[a:b].reshape(shape) for shape, a, b in zip(shapes, ends, ends[1:])]
+            out = []
+            for g in guesses:
+                ids = g[2]
+                if isinstance(ids, tuple):
+                    arr, j, n = ids
+                    ids = arrays[place[id(arr)]][:, j, :n]
+                out.append((*g[:2], ids, *g[3:]))
+            return out
+
+        return mx.concatenate([a.reshape(-1).astype(mx.uint32) for a in lazy]), readback
 
     def prefetch(self, guesses, misses=None):
         """Score ``guesses`` when their layers are called, and hint the source

@@ -35,6 +35,7 @@ from shared.source import Batch
 from infer.runtime.placement import Placement
 from infer.runtime.budget import cached_layers, split_cache
 from infer.runtime.client import DaemonDead, PinsExpired
+from infer.runtime.device import MAX_G
 from infer.runtime.gate import PredictionGate
 from infer.runtime.prefetch import DECODE_ROWS, Prefetcher
 
@@ -370,12 +371,20 @@ class ExpertStore:
             self.prefetcher.count_misses(layer, missing, hinted or set(), guessed)
         return stack, missing
 
-    def serve_device(self, layer, stack, ids):
+    def serve_device(self, layer, stack, ids, guesses=None):
         """A device-path call's routed ``ids``, read from the mailbox: its
-        misses placed and copied into their rows; returns {expert: row}
-        (None with no miss). The call holds at most its stack's capacity,
-        so every miss is placed."""
+        misses placed and copied into their rows, their reads started before
+        its ``guesses`` (the next layers', numpy ids) are hinted; returns
+        {expert: row} (None with no miss). The call holds at most its stack's
+        capacity, so every miss is placed."""
         stack, missing = self._lookup(layer, sorted(set(ids)), True)
+        self.prefetcher.clock(layer, True)
+        if guesses:
+            t0 = time.monotonic_ns()
+            if missing:
+                self.prefetcher.start_reads(layer, missing)
+            self.prefetcher.prefetch(guesses)
+            self.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
         if not missing:
             return None
         places = stack.assign(missing, set(ids))
@@ -640,12 +649,19 @@ class StreamingExperts(nn.Module):
         """One token in a forward of the whole model, on the device path:
         positions found by the GPU from the layer's table, misses served
         when the forward is queued (``ExpertStore.settle``); no sync."""
-        store = self._store
-        device = store.device
-        pos = device.positions(self._layout.layer, stack, indices)
+        store, layer = self._store, self._layout.layer
+        device, ahead = store.device, store.prefetcher
+        flat, readback = None, None
+        if ahead.begin_call(layer, 1):  # the next layers' guesses, posted with the ids
+            t0 = time.monotonic_ns()
+            flat, readback = ahead.lazy_ids(ahead.predict(layer, x))
+            if flat is not None and flat.size > MAX_G:
+                flat, readback = None, None
+            store.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
+        pos = device.positions(layer, stack, indices, flat)
         self._bind(stack.arrays)
         y = self._inner(x, pos)
-        device.called(self._layout.layer, stack, indices.size, y)
+        device.called(layer, stack, indices.size, y, readback, flat.size if flat is not None else 0)
         store.stats["device_calls"] += 1
         return y
 
