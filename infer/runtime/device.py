@@ -39,6 +39,7 @@ import native
 MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
 MAX_G = 1024  # guessed ids a call may post (the next layers'); more: it posts none
 TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
+SPINS = 10_000  # polls of a post (1-3 ms) before the host sleeps between them
 HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
 # One MLX command buffer a layer's graph, not one per 20 kernels: MLX blocks
 # the host in async_eval while ~10 are in flight, and a queued call may be
@@ -275,11 +276,13 @@ class DeviceWait:
                                f"instead")
 
     def _wait_posted(self, i, turn):
+        # spun on for the first few ms (a layer's compute): a sleep costs the
+        # GPU, should it wait for this call, 50 us or more to wake from
         t0 = time.monotonic()
         spins = 0
         while self.posted[i] != turn:
             spins += 1
-            if spins > 64:
+            if spins > SPINS:
                 time.sleep(20e-6)
                 if time.monotonic() - t0 > self.timeout_s:
                     raise RuntimeError(f"device wait: the GPU never reached layer slot {i} "
