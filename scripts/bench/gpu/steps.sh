@@ -71,7 +71,8 @@ q30trace)  # the q30 preset routed as Qwen3-30B-A3B's recorded trace (TRACE, car
 dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `q30` step) at each
   # budget, device wait on and off alternated, twice, one run of 24 tokens each; routed as the
   # recorded trace where TRACE (default .gpu/traces/qwen.route.csv) is there. Lines go out as they come
-  # (TESTS=0: the benches alone; MODES: add resident for the step it is held against)
+  # (TESTS=0: the benches alone; MODES: add resident for the step it is held against;
+  # MODEL: another prep folder, e.g. $W/p-synth after `synth`, with TRACE=none)
   shift
   [ "${TESTS:-1}" = 0 ] || { log tests; timeout ${TEST_S:-420} python3 -m pytest -q -p no:cacheprovider \
     tests/test_device_wait.py 2>&1 | tail -6 | tee "$OUT/tests.txt"; }
@@ -79,7 +80,7 @@ dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `
   for b in ${*:-0.5 0.25 0.1}; do
     for dw in auto off auto off; do
       log "bench $b device-wait $dw"
-      timeout ${BENCH_S:-120} python3 -m infer.tools.bench --model "$W/q30" --budget "$b" --runs 1 --max-tokens 24 \
+      timeout ${BENCH_S:-120} python3 -m infer.tools.bench --model "${MODEL:-$W/q30}" --budget "$b" --runs 1 --max-tokens 24 \
         --modes ${MODES:-iod} --device-wait $dw $tr --json "$OUT/dwait-$b-$dw-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|sync|runs|decode speed|infer bench: )"
     done
   done ;;
