@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
+from infer.runtime import device
 from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
 from tests.test_streaming import PROMPT, greedy, mlx_reference
@@ -106,6 +107,10 @@ class FakeGPU:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.stop = False
         self.timeouts = 0  # kernels that gave up waiting for their grant
+        # the most calls queued and not yet run at once: MLX makes async_eval
+        # wait while ~10 command buffers (a layer's graph each) are in flight,
+        # so the host must never have more queued than it has served
+        self.running, self.most_in_flight = 0, 0
         monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
         monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: self._kernel, raising=False)
         monkeypatch.setattr(device, "_queue", self._queue)
@@ -133,6 +138,7 @@ class FakeGPU:
             call[3] = None  # queued
         with self.lock:
             self.pending += todo
+            self.most_in_flight = max(self.most_in_flight, len(self.pending) + self.running)
             self.lock.notify()
 
     def _run(self):
@@ -145,6 +151,7 @@ class FakeGPU:
                 if self.stop:
                     return
                 slot, ids, guess, turn = self.pending.pop(0)
+                self.running = 1
             dw = self.store.device
             dw.ids[slot, : len(ids)] = ids
             dw.guesses[slot, : len(guess)] = guess
@@ -160,7 +167,9 @@ class FakeGPU:
                         self.timeouts += 1
                         break
                 rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
-            self.log.append((slot, ids, rows, waited))
+            with self.lock:
+                self.log.append((slot, ids, rows, waited))
+                self.running = 0
 
     def watch(self, store):
         """Keep each call's kernel inputs as the store notes the call."""
@@ -227,6 +236,7 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
         gpu.close()
         source.close()
     assert gpu.timeouts == 0
+    assert gpu.most_in_flight <= device.AHEAD + 1
     assert len(gpu.log) == store.stats["device_calls"] == len(host_rows) > 0
     assert [rows for _, _, rows, _ in gpu.log] == host_rows
     assert all(len(set(rows)) == len(set(ids)) for _, ids, rows, _ in gpu.log)
