@@ -222,11 +222,13 @@ class DeviceWait:
             t[list(stack.position)] = list(stack.position.values())
         stack.table_stale = False
 
-    def finish(self, serve):
+    def finish(self, serve, hint):
         """Queue the forward's calls and serve them in order as the GPU
         posts their ids: ``serve(layer, stack, ids, guesses)`` places and
-        copies in a call's misses (and hints its guesses) and returns
-        {expert: row}. Then the next turn."""
+        copies in a call's misses (hinting its guesses first) and returns
+        {expert: row}, or None with no miss; such a call's guesses go to
+        ``hint(guesses)`` once the calls ahead are queued, so the GPU does
+        not wait for their plan. Then the next turn."""
         calls, self.calls = self.calls, []
         if not calls:
             return
@@ -247,9 +249,6 @@ class DeviceWait:
                 if rows:  # (the table follows at the next forward's build: positions)
                     self.rows[i, :n] = [rows.get(e, -1) for e in ids]
                     self.granted[i] = turn  # (x86 stores are seen in order)
-                if prof:  # the wait for the GPU to post, then the host's work on the ids
-                    prof.span("compute", layer, t0, t1)
-                    prof.span("host", layer, t1, time.monotonic_ns())
                 done += 1
                 # the graph up to AHEAD calls past this one to the GPU (queued
                 # only once every call before them is served: an async_eval
@@ -258,6 +257,11 @@ class DeviceWait:
                 if ahead >= queued:
                     _queue(calls[ahead][3])
                     queued = ahead + 1
+                if guesses and rows is None:
+                    hint(guesses)
+                if prof:  # the wait for the GPU to post, then the host's work on the ids
+                    prof.span("compute", layer, t0, t1)
+                    prof.span("host", layer, t1, time.monotonic_ns())
         except BaseException:
             # the forward raises: its waiting layers go on at once (on row 0)
             for layer, *_ in calls[done:]:

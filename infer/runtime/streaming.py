@@ -373,24 +373,29 @@ class ExpertStore:
 
     def serve_device(self, layer, stack, ids, guesses=None):
         """A device-path call's routed ``ids``, read from the mailbox: its
-        misses placed and copied into their rows, their reads started before
-        its ``guesses`` (the next layers', numpy ids) are hinted; returns
-        {expert: row} (None with no miss). The call holds at most its stack's
-        capacity, so every miss is placed."""
+        misses placed and copied into their rows; returns {expert: row}, or
+        None with no miss. With misses, their reads start before its
+        ``guesses`` (the next layers', numpy ids) are hinted; an all-hit
+        call's guesses are left to ``hint_device``, once the GPU has more
+        work queued. The call holds at most its stack's capacity, so every
+        miss is placed."""
         stack, missing = self._lookup(layer, sorted(set(ids)), True)
         self.prefetcher.clock(layer, True)
-        if guesses:
-            t0 = time.monotonic_ns()
-            if missing:
-                self.prefetcher.start_reads(layer, missing)
-            self.prefetcher.prefetch(guesses)
-            self.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
         if not missing:
             return None
+        if guesses:
+            self.prefetcher.start_reads(layer, missing)
+            self.hint_device(guesses)
         places = stack.assign(missing, set(ids))
         self._fill(layer, missing, lambda batch: stack.copy_in(
             batch, [places[e] for e in batch.experts]), [stack], defer=False)
         return places
+
+    def hint_device(self, guesses):
+        """Hint a device-path call's guesses (timed as prediction)."""
+        t0 = time.monotonic_ns()
+        self.prefetcher.prefetch(guesses)
+        self.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
 
     def _fill(self, layer, experts, copy, stacks, defer):
         """Copy ``experts`` in now, or (``defer``) at ``settle``; a failed
@@ -410,7 +415,7 @@ class ExpertStore:
         device-path calls (``infer.runtime.device``), before anything
         evaluates those calls' outputs."""
         if self.device is not None and self.device.calls:
-            self.device.finish(self.serve_device)
+            self.device.finish(self.serve_device, self.hint_device)
         try:
             while self._pending:
                 self._fetch(*self._pending[0][:3])
