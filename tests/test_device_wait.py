@@ -333,3 +333,46 @@ def test_the_next_layers_guesses_come_back_with_the_ids_and_are_hinted(prep_mode
     assert any(g for g in hinted)
     assert store.stats["prefetched"] > 0
     assert sum(ahead.prediction[1][:2]) > 0  # depth-1 guesses scored at the next layers' calls
+
+
+def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, monkeypatch):
+    """``DeviceWait.works`` runs the kernel on a hit and a granted miss
+    before any forward: a kernel that posts and reads as the CUDA one does
+    passes, and leaves the slot clear; one whose writes the host never sees
+    (here: it posts no guesses) fails, so the load keeps every call synced."""
+    import mmap
+
+    from infer.runtime.device import DeviceWait
+
+    prep = prep_model("qwen3_moe")
+    source = InprocSource(prep, arena=64 << 20)
+    try:
+        _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
+                                     device_wait=False)
+        monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
+        for broken in (False, True):
+            made = []
+
+            def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+                # the CUDA kernel's effect, run at once on the host's view of the mailbox
+                dw = made[0]
+                ids, guess, box = (np.array(a).astype(np.int64) for a in inputs)
+                slot, g = int(box[2]), dict(template)["G"]
+                dw.ids[slot, : ids.size] = ids
+                if not broken:
+                    dw.guesses[slot, :g] = guess[:g]
+                dw.posted[slot] = dw.mail[0]
+                rows = [int(dw.tables[slot, e]) for e in ids]
+                if min(rows) < 0:
+                    assert dw.granted[slot] == dw.mail[0]  # (granted before: never waits)
+                    rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
+                return [mx.array(np.array(rows, dtype=np.uint32))]
+
+            monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: kernel, raising=False)
+            dw = DeviceWait(store, store.cached)
+            made.append(dw)
+            assert dw.works() is (not broken)
+            assert (dw.tables == -1).all() and not dw.posted.any() and not dw.granted.any()
+            assert not dw.mail[1] and dw.mail[0] == dw.turn
+    finally:
+        source.close()

@@ -29,6 +29,7 @@ built, not measured."""
 
 import mmap
 import os
+import sys
 import time
 
 import mlx.core as mx
@@ -108,7 +109,7 @@ def path_line(calls, device_wait) -> str:
                 f"waited there for misses (device wait), {calls['synced']} synced at their router")
     else:
         line = (f"Streamed layers: {calls['synced']} calls synced at their router (no device wait: "
-                f"it needs MLX CUDA, and --device-wait auto)")
+                f"it needs MLX CUDA, --device-wait auto, and a kernel that passes its check at load)")
     if calls["whole"]:
         line += f", {calls['whole']} ran as whole layers (no sync)"
     return line
@@ -180,9 +181,46 @@ class DeviceWait:
         if not mx.cuda.is_available() or mx.default_device() == mx.cpu or not native.cuda_available():
             return None
         try:
-            return cls(store, store.cached)
+            dw = cls(store, store.cached)
+            if dw.works():
+                return dw
+            print("infer: the device wait's kernel failed its check on this GPU; streamed "
+                  "calls sync at their routers", file=sys.stderr)
         except (OSError, RuntimeError, ValueError):
-            return None
+            pass
+        return None
+
+    def works(self) -> bool:
+        """Run the kernel twice on the first slot before any forward, a hit
+        and a miss already granted, and check what it wrote and posted: a
+        kernel this GPU or driver does not build or run right leaves the
+        session on the synced path instead of failing its first token. The
+        slot is left as it was (its table -1, nothing posted or granted)."""
+        layer = next(iter(self.slot))
+        i, turn = self.slot[layer], self.turn
+        ids = mx.array([1, 2], dtype=mx.uint32)
+        guess = mx.array([7, 8, 9], dtype=mx.uint32)
+        try:
+            self.tables[i, [1, 2]] = 5
+            hit = self._kernel(inputs=[ids, guess, self._args[layer]], template=[("N", 2), ("G", 3)],
+                               grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(2,)],
+                               output_dtypes=[mx.uint32])[0]
+            hit = np.array(hit).tolist()  # (evaluated: the kernel ran)
+            posted = int(self.posted[i]) == turn and self.ids[i, :2].tolist() == [1, 2] \
+                and self.guesses[i, :3].tolist() == [7, 8, 9]
+            self.tables[i, [1, 2]] = -1
+            self.rows[i, :2] = [3, 4]
+            self.granted[i] = turn
+            miss = self._kernel(inputs=[ids, self._no_guess, self._args[layer]],
+                                template=[("N", 2), ("G", 0)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                output_shapes=[(2,)], output_dtypes=[mx.uint32])[0]
+            miss = np.array(miss).tolist()
+            return hit == [5, 5] and posted and miss == [3, 4] and not self.mail[1]
+        finally:
+            self.tables[i] = -1
+            self.posted[i] = self.granted[i] = 0  # (no forward's turn is 0)
+            self.ids[i] = self.rows[i] = self.guesses[i] = 0
+            self.mail[1] = 0
 
     def fits(self, stack, n):
         """Whether a call of ``n`` ids on ``stack`` can wait on the device:
