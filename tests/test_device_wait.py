@@ -134,7 +134,7 @@ class FakeGPU:
         for call in calls[: upto + 1]:
             ids, slot, guess = call[4]
             guess = [] if guess is None else np.array(guess).astype(np.int64).tolist()
-            todo.append((slot, np.array(ids).astype(np.int64).ravel().tolist(), guess, int(dw.mail[0])))
+            todo.append((slot, np.array(ids).astype(np.int64).ravel().tolist(), guess))
             call[3] = None  # queued
         with self.lock:
             self.pending += todo
@@ -150,9 +150,10 @@ class FakeGPU:
                     self.lock.wait(0.1)
                 if self.stop:
                     return
-                slot, ids, guess, turn = self.pending.pop(0)
+                slot, ids, guess = self.pending.pop(0)
                 self.running = 1
             dw = self.store.device
+            turn = int(dw.mail[0])  # (read as the kernel starts, as the CUDA one does)
             dw.ids[slot, : len(ids)] = ids
             dw.guesses[slot, : len(guess)] = guess
             rows = [int(dw.tables[slot, e]) for e in ids]

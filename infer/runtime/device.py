@@ -301,11 +301,20 @@ class DeviceWait:
                     prof.span("compute", layer, t0, t1)
                     prof.span("host", layer, t1, time.monotonic_ns())
         except BaseException:
-            # the forward raises: its waiting layers go on at once (on row 0)
+            # the forward raises: its waiting layers go on at once (on row 0).
+            # A kernel reads the turn as it starts, so this one stays until
+            # each has posted: one that started after it moved on would wait
+            # for a grant of the next turn, and the next forward would read
+            # its stale post as its own
             for layer, *_ in calls[done:]:
                 self.rows[self.slot[layer]] = 0
                 self.granted[self.slot[layer]] = turn
             _queue(calls[-1][3])  # (what was not queued runs now, on those rows)
+            try:
+                for layer, *_ in calls[done:]:
+                    self._wait_posted(self.slot[layer], turn)
+            except RuntimeError:
+                pass  # (the GPU never got there: the forward's own error is the one to raise)
             raise
         finally:
             self.turn += 1
