@@ -377,3 +377,29 @@ def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, 
             assert not dw.mail[1] and dw.mail[0] == dw.turn
     finally:
         source.close()
+
+
+def test_a_layer_called_twice_in_one_forward_syncs_the_second_call(prep_model, monkeypatch):
+    """A layer's mailbox slot holds one call a forward: a second call of the
+    same layer before the forward is served takes the synced path (which
+    serves the first), so no post is read for the wrong call."""
+    from infer.runtime.streaming import StreamingExperts
+
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    try:
+        mod = next(m for _, m in model.named_modules() if isinstance(m, StreamingExperts))
+        k = store.prefetcher.routers[mod._layout.layer][1]
+        x = mx.random.normal((1, 1, model.args.hidden_size))
+        store.deferring = True
+        first = mod(x, mx.arange(k, dtype=mx.uint32).reshape(1, 1, k))
+        second = mod(x, mx.arange(k, 2 * k, dtype=mx.uint32).reshape(1, 1, k))
+        store.deferring = False
+        store.settle()
+        mx.eval(first, second)
+    finally:
+        gpu.close()
+        source.close()
+    assert store.stats["device_calls"] == 1 and store.stats["synced_calls"] == 1
+    assert [ids for _, ids, _, _ in gpu.log] == [list(range(k))]

@@ -228,6 +228,11 @@ class DeviceWait:
         return (stack.mode == "cuda" and stack.in_place and 0 < n <= MAX_K
                 and n <= stack.capacity and stack.layout.layer in self.slot)
 
+    def waiting(self, layer) -> bool:
+        """Whether the forward being built has a call of ``layer`` already:
+        its mailbox slot is taken until ``finish`` (a second call syncs)."""
+        return any(c[0] == layer for c in self.calls)
+
     def positions(self, layer, stack, indices, guess=None):
         """The stack positions of ``indices`` (uint32, same shape), found on
         the device; the host is told the ids, and ``guess`` (the next layers'

@@ -596,7 +596,7 @@ class StreamingExperts(nn.Module):
         rows = indices.size // indices.shape[-1]
         if store.device is not None and store.deferring and rows == 1:
             stack = store.stack(layer)
-            if store.device.fits(stack, indices.size):
+            if store.device.fits(stack, indices.size) and not store.device.waiting(layer):
                 return self._on_device(x, indices, stack)
         decode = rows <= DECODE_ROWS
         ids, guesses, (t0, t1, t2) = self._route(x, indices, rows)
