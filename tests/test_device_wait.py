@@ -375,6 +375,7 @@ def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, 
             assert dw.works() is (not broken)
             assert (dw.tables == -1).all() and not dw.posted.any() and not dw.granted.any()
             assert not dw.mail[1] and dw.mail[0] == dw.turn
+            dw.close()
     finally:
         source.close()
 

@@ -184,6 +184,7 @@ class DeviceWait:
             dw = cls(store, store.cached)
             if dw.works():
                 return dw
+            dw.close()
             print("infer: the device wait's kernel failed its check on this GPU; streamed "
                   "calls sync at their routers", file=sys.stderr)
         except (OSError, RuntimeError, ValueError):
@@ -221,6 +222,13 @@ class DeviceWait:
             self.posted[i] = self.granted[i] = 0  # (no forward's turn is 0)
             self.ids[i] = self.rows[i] = self.guesses[i] = 0
             self.mail[1] = 0
+
+    def close(self):
+        """Give the pinned mailbox and tables back (no kernel may run after)."""
+        for buf in (self._mail_buf, self._table_buf):
+            native.cuda_unregister(buf)
+        self.mail = self.posted = self.granted = self.ids = self.rows = self.guesses = None
+        self.tables = None  # (the mappings go with the last view of them)
 
     def fits(self, stack, n):
         """Whether a call of ``n`` ids on ``stack`` can wait on the device:
