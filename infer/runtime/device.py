@@ -38,7 +38,6 @@ import numpy as np
 import native
 
 MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
-MAX_G = 1024  # guessed ids a call may post (the next layers'); more: it posts none
 TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
 SPINS = 10_000  # polls of a post (1-3 ms) before the host sleeps between them
 HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
@@ -144,7 +143,10 @@ class DeviceWait:
         self.slot = {layer: i for i, layer in enumerate(sorted(layers))}
         n = len(self.slot)
         self.experts = max(store.layouts[l].num_experts for l in self.slot)
-        words = HEAD + 2 * n + 2 * n * MAX_K + n * MAX_G
+        # guessed ids a call may post: every expert of each layer guessed
+        # ahead (a calibration's ranks go that far at most); more posts none
+        self.max_guessed = max(store.prefetcher.depth, 1) * self.experts
+        words = HEAD + 2 * n + 2 * n * MAX_K + n * self.max_guessed
         mail, table = _pinned(4 * words), _pinned(4 * n * self.experts)
         if mail is None or table is None:
             raise OSError("CUDA did not pin the mailbox")
@@ -155,7 +157,7 @@ class DeviceWait:
         self.granted = self.mail[HEAD + n:HEAD + 2 * n]
         self.ids = self.mail[HEAD + 2 * n:HEAD + 2 * n + n * MAX_K].reshape(n, MAX_K)
         self.rows = self.mail[HEAD + 2 * n + n * MAX_K:HEAD + 2 * n + 2 * n * MAX_K].reshape(n, MAX_K)
-        self.guesses = self.mail[HEAD + 2 * n + 2 * n * MAX_K:].reshape(n, MAX_G)
+        self.guesses = self.mail[HEAD + 2 * n + 2 * n * MAX_K:].reshape(n, self.max_guessed)
         self.tables = np.frombuffer(self._table_buf, dtype=np.int32,
                                     count=n * self.experts).reshape(n, self.experts)
         self.tables[:] = -1
@@ -165,7 +167,8 @@ class DeviceWait:
         self._kernel = mx.fast.cuda_kernel(
             name="iod_device_wait", input_names=["ids", "guess", "box_in"], output_names=["pos"],
             source=_SOURCE,
-            header=f"#define TIMEOUT {TIMEOUT_NS}ULL\n#define MAX_K {MAX_K}\n#define MAX_G {MAX_G}\n")
+            header=f"#define TIMEOUT {TIMEOUT_NS}ULL\n#define MAX_K {MAX_K}\n"
+                   f"#define MAX_G {self.max_guessed}\n")
         self._no_guess = mx.zeros((1,), dtype=mx.uint32)
         self.turn = 1
         self.mail[0] = self.turn

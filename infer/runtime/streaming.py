@@ -35,7 +35,6 @@ from shared.source import Batch
 from infer.runtime.placement import Placement
 from infer.runtime.budget import cached_layers, split_cache
 from infer.runtime.client import DaemonDead, PinsExpired
-from infer.runtime.device import MAX_G
 from infer.runtime.gate import PredictionGate
 from infer.runtime.prefetch import DECODE_ROWS, Prefetcher
 
@@ -660,7 +659,7 @@ class StreamingExperts(nn.Module):
         if ahead.begin_call(layer, 1):  # the next layers' guesses, posted with the ids
             t0 = time.monotonic_ns()
             flat, readback = ahead.lazy_ids(ahead.predict(layer, x))
-            if flat is not None and flat.size > MAX_G:
+            if flat is not None and flat.size > device.max_guessed:
                 flat, readback = None, None
             store.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
         pos = device.positions(layer, stack, indices, flat)
