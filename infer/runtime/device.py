@@ -9,10 +9,11 @@ turn to a mailbox in pinned host memory. With every expert cached it hands
 the positions to the layer's ``gather_qmm`` at once: the call is built and
 run as the resident one is, no host read of device memory. With a miss it
 spins on the layer's granted turn. The host, once the forward is built,
-queues it a few layers at a time and walks the layers in order: it reads each layer's ids as the GPU
-posts them, places the misses (``Placement``), has the source read them
-and copies them into their rows on a stream of its own (``LayerStack.copy_in``),
-writes the rows and grants the turn; the GPU goes on. A table is rewritten
+queues it a few layers at a time and walks the layers in order: it reads
+each layer's ids as the GPU posts them, places the misses (``Placement``),
+has the source read them and copies them into their rows on a stream of
+its own (``LayerStack.copy_in``), writes the rows and grants the turn; the
+GPU goes on. A table is rewritten
 from its placement when the next forward is built, before any of its
 kernels is queued.
 
@@ -206,19 +207,13 @@ class DeviceWait:
         guess = mx.array([7, 8, 9], dtype=mx.uint32)
         try:
             self.tables[i, [1, 2]] = 5
-            hit = self._kernel(inputs=[ids, guess, self._args[layer]], template=[("N", 2), ("G", 3)],
-                               grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(2,)],
-                               output_dtypes=[mx.uint32])[0]
-            hit = np.array(hit).tolist()  # (evaluated: the kernel ran)
+            hit = np.array(self._launch(layer, ids, guess)).tolist()  # (evaluated: the kernel ran)
             posted = int(self.posted[i]) == turn and self.ids[i, :2].tolist() == [1, 2] \
                 and self.guesses[i, :3].tolist() == [7, 8, 9]
             self.tables[i, [1, 2]] = -1
             self.rows[i, :2] = [3, 4]
             self.granted[i] = turn
-            miss = self._kernel(inputs=[ids, self._no_guess, self._args[layer]],
-                                template=[("N", 2), ("G", 0)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                                output_shapes=[(2,)], output_dtypes=[mx.uint32])[0]
-            miss = np.array(miss).tolist()
+            miss = np.array(self._launch(layer, ids, None)).tolist()
             return hit == [5, 5] and posted and miss == [3, 4] and not self.mail[1]
         finally:
             self.tables[i] = -1
@@ -250,17 +245,19 @@ class DeviceWait:
         guessed ids, flat uint32, or None) with them, when it ``finish``es."""
         if stack.table_stale:
             self.sync_table(layer, stack)
-        n = indices.size
         ids = indices.reshape(-1)
         if ids.dtype != mx.uint32:  # (one compiled kernel per N: its inputs' types fixed)
             ids = ids.astype(mx.uint32)
-        if guess is None:
-            guess = self._no_guess
-        g = guess.size if guess is not self._no_guess else 0
-        pos = self._kernel(
-            inputs=[ids, guess, self._args[layer]], template=[("N", n), ("G", g)], grid=(32, 1, 1),
-            threadgroup=(32, 1, 1), output_shapes=[(n,)], output_dtypes=[mx.uint32])[0]
-        return pos.reshape(indices.shape)
+        return self._launch(layer, ids, guess).reshape(indices.shape)
+
+    def _launch(self, layer, ids, guess):
+        """The kernel on ``layer``'s slot: ``ids`` (flat uint32) posted, with
+        ``guess`` (flat uint32, or None) beside them; their positions."""
+        g = 0 if guess is None else guess.size
+        return self._kernel(
+            inputs=[ids, self._no_guess if guess is None else guess, self._args[layer]],
+            template=[("N", ids.size), ("G", g)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+            output_shapes=[(ids.size,)], output_dtypes=[mx.uint32])[0]
 
     def called(self, layer, stack, n, y, readback=None, guessed=0):
         """Note a call built on the device path, ``y`` its output; it posts

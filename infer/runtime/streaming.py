@@ -375,7 +375,7 @@ class ExpertStore:
         misses placed and copied into their rows; returns {expert: row}, or
         None with no miss. With misses, their reads start before its
         ``guesses`` (the next layers', numpy ids) are hinted; an all-hit
-        call's guesses are left to ``hint_device``, once the GPU has more
+        call's guesses are left to ``hint``, once the GPU has more
         work queued. The call holds at most its stack's capacity, so every
         miss is placed."""
         stack, missing = self._lookup(layer, sorted(set(ids)), True)
@@ -384,16 +384,17 @@ class ExpertStore:
             return None
         if guesses:
             self.prefetcher.start_reads(layer, missing)
-            self.hint_device(guesses)
+            self.hint(guesses)
         places = stack.assign(missing, set(ids))
         self._fill(layer, missing, lambda batch: stack.copy_in(
             batch, [places[e] for e in batch.experts]), [stack], defer=False)
         return places
 
-    def hint_device(self, guesses):
-        """Hint a device-path call's guesses (timed as prediction)."""
+    def hint(self, guesses, misses=None):
+        """Plan and hint the reads of the next layers' ``guesses`` (timed as
+        prediction), after a call's ``misses`` in the same message."""
         t0 = time.monotonic_ns()
-        self.prefetcher.prefetch(guesses)
+        self.prefetcher.prefetch(guesses, misses)
         self.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
 
     def _fill(self, layer, experts, copy, stacks, defer):
@@ -414,7 +415,7 @@ class ExpertStore:
         device-path calls (``infer.runtime.device``), before anything
         evaluates those calls' outputs."""
         if self.device is not None and self.device.calls:
-            self.device.finish(self.serve_device, self.hint_device)
+            self.device.finish(self.serve_device, self.hint)
         try:
             while self._pending:
                 self._fetch(*self._pending[0][:3])
@@ -624,7 +625,7 @@ class StreamingExperts(nn.Module):
             # no misses: the experts compute while the next layers' reads are
             # planned and hinted, host work off the path from router to router
             mx.async_eval(y)
-            self._hint(guesses)
+            store.hint(guesses)
         t4 = time.monotonic_ns()
         store.stats["host_s"] += (t1 - t0 + t4 - t2) / 1e9 - (store.io_s - io)
         if store.profiler:  # stall and copy spans lie inside: the summary takes them out
@@ -715,9 +716,9 @@ class StreamingExperts(nn.Module):
             # while they are read
             if early is None:
                 store.prefetcher.start_reads(layer, misses)
-                self._hint(guesses)
+                store.hint(guesses)
             else:
-                self._hint(guesses, (layer, misses))
+                store.hint(guesses, (layer, misses))
             return None
         return guesses
 
@@ -748,13 +749,6 @@ class StreamingExperts(nn.Module):
                 slots.append(sel)
         order = np.argsort(np.concatenate(slots))
         return ys[0] if len(ys) == 1 else mx.take(mx.concatenate(ys, axis=-2), mx.array(order), axis=-2)
-
-    def _hint(self, guesses, misses=None):
-        """Plan and hint the reads of the next layers' guesses (timed as
-        prediction), after this call's ``misses`` in the same message."""
-        t0 = time.monotonic_ns()
-        self._store.prefetcher.prefetch(guesses, misses)
-        self._store.stats["predict_s"] += (time.monotonic_ns() - t0) / 1e9
 
     def _hits_first(self, x, ids, unique, split, start=True):
         """One token whose experts are partly cached, with ``store.hits_first``
