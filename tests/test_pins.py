@@ -189,21 +189,20 @@ def test_a_streaming_session_whose_pins_were_taken_back_carries_on(prep_model, s
     next fetch, says BYE and HELLO again, fetches once more, and decodes
     mlx-lm's greedy ids to the end."""
     import mlx.core as mx
-    from mlx_lm import load as mlx_load
     from mlx_lm.generate import generate_step
 
     from infer.runtime.loader import load_streaming
+    from tests.test_streaming import mlx_reference
 
-    prep, src = prep_model("qwen3_moe"), synth_model("qwen3_moe")
-    ref, tokenizer = mlx_load(str(src))
-    prompt = mx.array(tokenizer.encode("The lighthouse keeper counted the ships"))
-    want = [int(t) for t, _ in generate_step(prompt, ref, max_tokens=24)]
+    prep = prep_model("qwen3_moe")
+    ids, want = mlx_reference(synth_model("qwen3_moe"))
+    prompt = mx.array(ids)
     d = LiveDaemon(args=["--arena", "64M"])
     try:
         source = IodClient(prep, iod=str(d.socket))
         model, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15))
         got, first = [], source.session_id
-        for i, (t, _) in enumerate(generate_step(prompt, model, max_tokens=24)):
+        for i, (t, _) in enumerate(generate_step(prompt, model, max_tokens=len(want))):
             got.append(int(t))
             if i == 8:  # what the daemon does before it takes a session's pins back
                 native.store_u64(source._pins_view, source._owner_off, 0)
