@@ -162,7 +162,8 @@ def add_device_wait(p):
     """--device-wait: ``args.device_wait`` is True for auto."""
     p.add_argument("--device-wait", choices=("auto", "off"), default="auto",
                    help="decode calls find their experts on the GPU and wait there for misses "
-                        "(auto: where the backend has it, MLX CUDA), or sync at each router (off)")
+                        "(auto: where the backend has it, MLX CUDA or Metal, and its kernel passes a check at "
+                        "load), or sync at each router (off)")
 
 
 def add_dtype(p):

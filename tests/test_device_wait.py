@@ -112,17 +112,20 @@ class FakeGPU:
         # so the host must never have more queued than it has served
         self.running, self.most_in_flight = 0, 0
         monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
-        monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: self._kernel, raising=False)
+        for name in ("cuda_kernel", "metal_kernel"):
+            monkeypatch.setattr(mx.fast, name, lambda **kw: self._kernel, raising=False)
         monkeypatch.setattr(device, "_queue", self._queue)
         monkeypatch.setattr(device.DeviceWait, "fits",
                             lambda dw, stack, n: stack.in_place and 0 < n <= stack.capacity)
         self.thread.start()
 
     def _kernel(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        ids, guess, box = inputs
+        ids, guess = inputs[:2]
         g = dict(template)["G"]
+        dw = self.store.device
+        slot = next(dw.slot[l] for l, mine in dw._inputs.items() if mine[-1] is inputs[-1])
         # the call being built's ids, layer slot and guessed ids
-        self.last = (ids, int(np.array(box)[2]), guess if g else None)
+        self.last = (ids, slot, guess if g else None)
         return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
 
     def _queue(self, y):
@@ -196,26 +199,31 @@ class FakeGPU:
         self.thread.join()
 
 
-def _fake_session(prep, gpu, fraction=0.15):
+def _fake_session(prep, gpu, fraction=0.15, backend="cuda"):
+    """A session whose device wait runs on ``gpu``, its mailbox and tables
+    in ``backend``'s memory: pinned host pages (CUDA) or MLX arrays (Metal)."""
     from infer.runtime.device import DeviceWait
 
     source = InprocSource(prep, arena=64 << 20)
     model, tokenizer, store = load_streaming(prep, source, int(source.manifest.expert_bytes * fraction),
                                              device_wait=False)
-    store.device = DeviceWait(store, store.cached)
+    gpu.store = store
+    store.device = DeviceWait(store, store.cached, backend)
     gpu.watch(store)
     return source, model, tokenizer, store
 
 
-def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model, monkeypatch):
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model, monkeypatch, backend):
     """On the CPU, with the kernels run by a thread as the GPU runs them:
     every call's rows, as the kernel reads them from its table and the
     host's grant, are the rows the host placed its experts in, and each of
     those rows holds that expert's record by then; every miss is granted,
-    no kernel waits out its timeout, and the cache evicts as it goes."""
+    no kernel waits out its timeout, and the cache evicts as it goes. The
+    same with the mailbox in MLX arrays, as on Metal."""
     prep = prep_model("qwen3_moe")
     gpu = FakeGPU(monkeypatch)
-    source, model, tokenizer, store = _fake_session(prep, gpu)
+    source, model, tokenizer, store = _fake_session(prep, gpu, backend=backend)
     host_rows = []
     serve = store.serve_device
 
@@ -336,12 +344,15 @@ def test_the_next_layers_guesses_come_back_with_the_ids_and_are_hinted(prep_mode
     assert sum(ahead.prediction[1][:2]) > 0  # depth-1 guesses scored at the next layers' calls
 
 
-def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, monkeypatch):
-    """``DeviceWait.works`` runs the kernel on a hit and a granted miss
-    before any forward: a kernel that posts and reads as the CUDA one does
-    passes, and leaves the slot clear; one whose writes the host never sees
-    (here: it posts no guesses) fails, so the load keeps every call synced."""
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, monkeypatch, backend):
+    """``DeviceWait.works`` runs the kernel on a hit and on a miss granted
+    while it waits, before any forward: a kernel that posts and waits as
+    the CUDA and Metal ones do passes, and leaves the slot clear; one whose
+    guesses the host never sees, or one that reads its rows without waiting
+    for the grant, fails, so the load keeps every call synced."""
     import mmap
+    import threading
 
     from infer.runtime.device import DeviceWait
 
@@ -351,31 +362,82 @@ def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, 
         _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
                                      device_wait=False)
         monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
-        for broken in (False, True):
-            made = []
+        for broken in (None, "no guesses", "no wait"):
+            made, runs = [], {}
 
             def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-                # the CUDA kernel's effect, run at once on the host's view of the mailbox
+                # the kernel's effect on the host's view of the mailbox, run
+                # by a thread once queued (or at once where only evaluated)
+                out = mx.zeros(output_shapes[0], dtype=output_dtypes[0])
                 dw = made[0]
-                ids, guess, box = (np.array(a).astype(np.int64) for a in inputs)
-                slot, g = int(box[2]), dict(template)["G"]
-                dw.ids[slot, : ids.size] = ids
-                if not broken:
-                    dw.guesses[slot, :g] = guess[:g]
-                dw.posted[slot] = dw.mail[0]
-                rows = [int(dw.tables[slot, e]) for e in ids]
-                if min(rows) < 0:
-                    assert dw.granted[slot] == dw.mail[0]  # (granted before: never waits)
-                    rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
-                return [mx.array(np.array(rows, dtype=np.uint32))]
+                ids, guess = (np.array(a).astype(np.int64) for a in inputs[:2])
+                slot = next(dw.slot[l] for l, mine in dw._inputs.items() if mine[-1] is inputs[-1])
+                g, result = dict(template)["G"], []
 
-            monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: kernel, raising=False)
-            dw = DeviceWait(store, store.cached)
+                def run():
+                    turn = int(dw.mail[0])
+                    dw.ids[slot, : ids.size] = ids
+                    if broken != "no guesses":
+                        dw.guesses[slot, :g] = guess[:g]
+                    rows = [int(dw.tables[slot, e]) for e in ids]
+                    dw.posted[slot] = turn
+                    if min(rows) < 0:
+                        t0 = time.monotonic()
+                        while broken != "no wait" and dw.granted[slot] != turn:
+                            time.sleep(1e-4)
+                            assert time.monotonic() - t0 < 10
+                        rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
+                    result.extend(rows)
+
+                runs[id(out)] = (threading.Thread(target=run), result)
+                return [out]
+
+            def queue(y):
+                runs[id(y)][0].start()
+
+            def evaluated(y):
+                thread, result = runs[id(y)]
+                if not thread.is_alive() and not result:
+                    thread.start()
+                thread.join()
+                return result
+
+            for name in ("cuda_kernel", "metal_kernel"):
+                monkeypatch.setattr(mx.fast, name, lambda **kw: kernel, raising=False)
+            monkeypatch.setattr(device, "_queue", queue)
+            monkeypatch.setattr(device, "_evaluated", evaluated)
+            dw = DeviceWait(store, store.cached, backend)
             made.append(dw)
-            assert dw.works() is (not broken)
+            assert dw.works() is (broken is None), broken
             assert (dw.tables == -1).all() and not dw.posted.any() and not dw.granted.any()
             assert not dw.mail[1] and dw.mail[0] == dw.turn
             dw.close()
+    finally:
+        source.close()
+
+
+def test_a_kernel_that_fails_at_load_is_named_and_the_session_syncs(prep_model, monkeypatch, capsys):
+    """A backend whose kernel does not build (here: Metal's compiler
+    refuses it) gives no device wait and one line on stderr saying why."""
+    from infer.runtime.device import DeviceWait
+
+    prep = prep_model("qwen3_moe")
+    source = InprocSource(prep, arena=64 << 20)
+    try:
+        _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
+                                     device_wait=False)
+
+        def refused(**kw):
+            def kernel(**call):
+                raise RuntimeError("[metal::Device] Unable to build metal library from source\nerror: ...")
+            return kernel
+
+        monkeypatch.setattr(device, "backend", lambda: "metal")
+        monkeypatch.setattr(mx.fast, "metal_kernel", refused, raising=False)
+        assert DeviceWait.make(store) is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["infer: no device wait on this metal GPU ([metal::Device] Unable to build metal "
+                       "library from source); streamed calls sync at their routers"]
     finally:
         source.close()
 

@@ -22,11 +22,18 @@ as the host-synced call. Safe by order: a row is written only while its
 layer's kernel of this forward waits, after every earlier kernel that read
 it ran (one stream), and before any later forward's kernels are queued.
 
-Where this does not run (the CPU, Metal, a stack not written in place, a
-cache narrower than a call) each call syncs at its router as before; the
-run's summary says which path ran. On Metal, ``mx.fast.metal_kernel`` with
-the unified memory the arena already is would give the same path; not
-built, not measured."""
+Where this does not run (the CPU, a stack not written in place, a cache
+narrower than a call) each call syncs at its router as before; the run's
+summary says which path ran.
+
+Backends: MLX CUDA (``mx.fast.cuda_kernel``; the mailbox and tables pinned
+host memory the kernel reaches by address) and Metal (``mx.fast.metal_kernel``;
+they are MLX arrays in the unified memory both sides see, and the kernel
+reads and writes them with system-scope fences on coherent(system) memory,
+as MLX's own fence_wait / fence_update kernels do). The CUDA path is
+measured (docs/status.md); the Metal one is built by the same host code,
+tested on the CPU with its memory, and not run: a kernel that does not
+build or pass its check at load leaves the session synced."""
 
 import mmap
 import os
@@ -41,6 +48,7 @@ import native
 MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
 TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
 SPINS = 10_000  # polls of a post (1-3 ms) before the host sleeps between them
+CHECK_S = 5  # the load's check waits this long for a kernel's post
 HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
 # One MLX command buffer a layer's graph, not one per 20 kernels: MLX blocks
 # the host in async_eval while ~10 are in flight, and a queued call may be
@@ -54,7 +62,7 @@ if _FRESH:
 # it serves the next: two where a layer's graph is one command buffer, else one
 AHEAD = 2 if _FRESH and int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0") or 0) >= 100 else 1
 
-_SOURCE = """
+_CUDA_SOURCE = """
     uint64_t* box = (uint64_t*)box_in;
     volatile int* mail = (volatile int*)box[0];
     volatile const int* table = (volatile const int*)box[1];
@@ -102,6 +110,61 @@ _SOURCE = """
 """
 
 
+# one simdgroup; reads and writes of the mailbox go through coherent(system)
+# memory with system-scope fences, so the CPU sees them while the kernel
+# runs and the kernel sees the CPU's (MLX's fence.metal does the same); no
+# clock on the GPU: SPIN_LIMIT polls, about 20 s at 100 ns a poll
+_METAL_HEADER = """
+#pragma METAL internals : enable
+#ifndef __METAL_MEMORY_SCOPE_SYSTEM__
+#define __METAL_MEMORY_SCOPE_SYSTEM__ 3
+#endif
+#define SYSTEM_FENCE() metal::atomic_thread_fence(metal::mem_flags::mem_device, \\
+    metal::memory_order_seq_cst, static_cast<metal::thread_scope>(__METAL_MEMORY_SCOPE_SYSTEM__))
+typedef volatile coherent(system) device int* shared_words;
+"""
+
+_METAL_SOURCE = """
+    const uint t = thread_position_in_grid.x;
+    const int slot = args[0];
+    const int layers = args[1];
+    const device int* tab = table + args[2];
+    shared_words box = (shared_words)mail;
+    shared_words posted = box + 16;
+    shared_words granted = posted + layers;
+    shared_words ids_out = granted + layers + slot * MAX_K;
+    shared_words rows_in = ids_out + layers * MAX_K;
+    shared_words guess_out = granted + layers + 2 * layers * MAX_K + slot * MAX_G;
+    const int turn = box[0];
+    int row = 0;
+    if (t < N) {
+        int e = (int)ids[t];
+        ids_out[t] = e;
+        row = tab[e];
+    }
+    for (uint i = t; i < (uint)G; i += 32) guess_out[i] = (int)guess[i];
+    const bool any_miss = simd_any(row < 0);
+    SYSTEM_FENCE();
+    threadgroup_barrier(mem_flags::mem_device);
+    if (t == 0) {
+        posted[slot] = turn;
+        SYSTEM_FENCE();
+        if (any_miss) {
+            for (ulong spins = 0; granted[slot] != turn; spins++) {
+                SYSTEM_FENCE();
+                if (spins > SPIN_LIMIT) { box[1] = slot + 1; break; }
+            }
+            SYSTEM_FENCE();
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+    if (t < N) {
+        int r = row >= 0 ? row : rows_in[t];
+        pos[t] = (uint32_t)(r >= 0 ? r : 0);
+    }
+"""
+
+
 def path_line(calls, device_wait) -> str:
     """Which path the streamed layers' calls took (``infer run``'s summary, the profile)."""
     if device_wait:
@@ -109,15 +172,29 @@ def path_line(calls, device_wait) -> str:
                 f"waited there for misses (device wait), {calls['synced']} synced at their router")
     else:
         line = (f"Streamed layers: {calls['synced']} calls synced at their router (no device wait: "
-                f"it needs MLX CUDA, --device-wait auto, and a kernel that passes its check at load)")
+                f"it needs MLX CUDA or Metal, --device-wait auto, and a kernel that passes its check at load)")
     if calls["whole"]:
         line += f", {calls['whole']} ran as whole layers (no sync)"
     return line
 
 
+def backend():
+    """The device wait's backend here: "cuda", "metal", or None (the CPU)."""
+    if mx.default_device() == mx.cpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda" if mx.cuda.is_available() and native.cuda_available() else None
+
+
 def _queue(y):
     """Start the GPU on the graph up to ``y`` (a test runs a fake GPU here)."""
     mx.async_eval(y)
+
+
+def _evaluated(y):
+    """``y``'s values, once the GPU has run it (a test runs a fake GPU here)."""
+    return np.array(y).tolist()
 
 
 def _pinned(nbytes):
@@ -135,23 +212,53 @@ def _pinned(nbytes):
     return buf, dev
 
 
+def _shared(words):
+    """An int32 MLX array in the memory the host and a Metal kernel both
+    see (unified memory: the host writes it through its buffer)."""
+    a = mx.array(np.zeros(words, dtype=np.int32))
+    mx.eval(a)
+    return a
+
+
 class DeviceWait:
     """The mailbox, the layers' tables and the calls of the forward being
     built; one per ExpertStore (``ExpertStore.device``)."""
 
-    def __init__(self, store, layers):
+    def __init__(self, store, layers, backend="cuda"):
         self.store = store
+        self.backend = backend
         self.slot = {layer: i for i, layer in enumerate(sorted(layers))}
         n = len(self.slot)
         self.experts = max(store.layouts[l].num_experts for l in self.slot)
         # guessed ids a call may post: every expert of each layer guessed
         # ahead (a calibration's ranks go that far at most); more posts none
         self.max_guessed = max(store.prefetcher.depth, 1) * self.experts
-        words = HEAD + 2 * n + 2 * n * MAX_K + n * self.max_guessed
-        mail, table = _pinned(4 * words), _pinned(4 * n * self.experts)
-        if mail is None or table is None:
-            raise OSError("CUDA did not pin the mailbox")
-        (self._mail_buf, mail_dev), (self._table_buf, table_dev) = mail, table
+        words, table_words = HEAD + 2 * n + 2 * n * MAX_K + n * self.max_guessed, n * self.experts
+        header = f"#define MAX_K {MAX_K}\n#define MAX_G {self.max_guessed}\n"
+        if backend == "cuda":
+            mail, table = _pinned(4 * words), _pinned(4 * table_words)
+            if mail is None or table is None:
+                for pinned in (mail, table):
+                    if pinned is not None:
+                        native.cuda_unregister(pinned[0])
+                raise OSError("CUDA did not pin the mailbox")
+            (self._mail_buf, mail_dev), (self._table_buf, table_dev) = mail, table
+            # each kernel's one input beyond its ids: the addresses it reaches
+            self._inputs = {layer: [mx.array(np.array(
+                [mail_dev, table_dev + 4 * i * self.experts, i, n], dtype=np.uint64))]
+                for layer, i in self.slot.items()}
+            self._kernel = mx.fast.cuda_kernel(
+                name="iod_device_wait", input_names=["ids", "guess", "box_in"], output_names=["pos"],
+                source=_CUDA_SOURCE, header=header + f"#define TIMEOUT {TIMEOUT_NS}ULL\n")
+        else:
+            self._mail_buf, self._table_buf = _shared(words), _shared(table_words)
+            self._inputs = {layer: [self._mail_buf, self._table_buf,
+                                    mx.array([i, n, i * self.experts], dtype=mx.int32)]
+                            for layer, i in self.slot.items()}
+            self._kernel = mx.fast.metal_kernel(
+                name="iod_device_wait", input_names=["ids", "guess", "mail", "table", "args"],
+                output_names=["pos"], source=_METAL_SOURCE,
+                header=_METAL_HEADER + header + f"#define SPIN_LIMIT {TIMEOUT_NS // 100}UL\n")
         self.mail = np.frombuffer(self._mail_buf, dtype=np.int32, count=words)
         self.mail[:] = 0
         self.posted = self.mail[HEAD:HEAD + n]
@@ -160,16 +267,8 @@ class DeviceWait:
         self.rows = self.mail[HEAD + 2 * n + n * MAX_K:HEAD + 2 * n + 2 * n * MAX_K].reshape(n, MAX_K)
         self.guesses = self.mail[HEAD + 2 * n + 2 * n * MAX_K:].reshape(n, self.max_guessed)
         self.tables = np.frombuffer(self._table_buf, dtype=np.int32,
-                                    count=n * self.experts).reshape(n, self.experts)
+                                    count=table_words).reshape(n, self.experts)
         self.tables[:] = -1
-        self._args = {layer: mx.array(np.array(
-            [mail_dev, table_dev + 4 * i * self.experts, i, n], dtype=np.uint64))
-            for layer, i in self.slot.items()}
-        self._kernel = mx.fast.cuda_kernel(
-            name="iod_device_wait", input_names=["ids", "guess", "box_in"], output_names=["pos"],
-            source=_SOURCE,
-            header=f"#define TIMEOUT {TIMEOUT_NS}ULL\n#define MAX_K {MAX_K}\n"
-                   f"#define MAX_G {self.max_guessed}\n")
         self._no_guess = mx.zeros((1,), dtype=mx.uint32)
         self.turn = 1
         self.mail[0] = self.turn
@@ -181,40 +280,54 @@ class DeviceWait:
     @classmethod
     def make(cls, store):
         """A DeviceWait for ``store``'s cached layers where this backend has
-        one (MLX CUDA, records copied in place), else None."""
-        if not mx.cuda.is_available() or mx.default_device() == mx.cpu or not native.cuda_available():
+        one (MLX CUDA or Metal, records copied in place) and its kernel
+        passes its check here, else None (one line on stderr says why)."""
+        kind = backend()
+        if kind is None:
             return None
         try:
-            dw = cls(store, store.cached)
-            if dw.works():
-                return dw
+            dw = cls(store, store.cached, kind)
+        except (OSError, RuntimeError, ValueError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        else:
+            try:
+                if dw.works():
+                    return dw
+                why = "its kernel failed its check at load"
+            except (RuntimeError, ValueError) as e:  # (a kernel that does not build)
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             dw.close()
-            print("infer: the device wait's kernel failed its check on this GPU; streamed "
-                  "calls sync at their routers", file=sys.stderr)
-        except (OSError, RuntimeError, ValueError):
-            pass
+        print(f"infer: no device wait on this {kind} GPU ({why}); streamed calls sync at "
+              f"their routers", file=sys.stderr)
         return None
 
     def works(self) -> bool:
-        """Run the kernel twice on the first slot before any forward, a hit
-        and a miss already granted, and check what it wrote and posted: a
-        kernel this GPU or driver does not build or run right leaves the
-        session on the synced path instead of failing its first token. The
-        slot is left as it was (its table -1, nothing posted or granted)."""
+        """Run the kernel on the first slot before any forward, on a hit and
+        then on a miss granted while it waits, and check what it wrote and
+        posted: a kernel this GPU or driver does not build or run right
+        (one whose writes the host does not see while it runs, or that does
+        not see the host's) leaves the session on the synced path instead
+        of failing its first token. The slot is left as it was (its table
+        -1, nothing posted or granted)."""
         layer = next(iter(self.slot))
         i, turn = self.slot[layer], self.turn
         ids = mx.array([1, 2], dtype=mx.uint32)
         guess = mx.array([7, 8, 9], dtype=mx.uint32)
         try:
             self.tables[i, [1, 2]] = 5
-            hit = np.array(self._launch(layer, ids, guess)).tolist()  # (evaluated: the kernel ran)
+            hit = _evaluated(self._launch(layer, ids, guess))
             posted = int(self.posted[i]) == turn and self.ids[i, :2].tolist() == [1, 2] \
                 and self.guesses[i, :3].tolist() == [7, 8, 9]
             self.tables[i, [1, 2]] = -1
+            self.posted[i] = 0
+            miss = self._launch(layer, ids, None)
+            _queue(miss)
+            # its rows written once it has posted: a kernel that did not wait reads zeros
+            seen = self._posted(i, turn, CHECK_S)
             self.rows[i, :2] = [3, 4]
-            self.granted[i] = turn
-            miss = np.array(self._launch(layer, ids, None)).tolist()
-            return hit == [5, 5] and posted and miss == [3, 4] and not self.mail[1]
+            self._grant(i, turn)
+            miss = _evaluated(miss)
+            return hit == [5, 5] and posted and seen and miss == [3, 4] and not self.mail[1]
         finally:
             self.tables[i] = -1
             self.posted[i] = self.granted[i] = 0  # (no forward's turn is 0)
@@ -222,16 +335,19 @@ class DeviceWait:
             self.mail[1] = 0
 
     def close(self):
-        """Give the pinned mailbox and tables back (no kernel may run after)."""
-        for buf in (self._mail_buf, self._table_buf):
-            native.cuda_unregister(buf)
+        """Give the mailbox and tables back (no kernel may run after)."""
+        if self.backend == "cuda":
+            for buf in (self._mail_buf, self._table_buf):
+                native.cuda_unregister(buf)
         self.mail = self.posted = self.granted = self.ids = self.rows = self.guesses = None
         self.tables = None  # (the mappings go with the last view of them)
+        self._inputs = self._mail_buf = self._table_buf = None
 
     def fits(self, stack, n):
         """Whether a call of ``n`` ids on ``stack`` can wait on the device:
         a stack written in place by CUDA copies, holding at least the call."""
-        return (stack.mode == "cuda" and stack.in_place and 0 < n <= MAX_K
+        written = "cuda" if self.backend == "cuda" else "host"  # (Metal: unified memory)
+        return (stack.mode == written and stack.in_place and 0 < n <= MAX_K
                 and n <= stack.capacity and stack.layout.layer in self.slot)
 
     def waiting(self, layer) -> bool:
@@ -255,7 +371,7 @@ class DeviceWait:
         ``guess`` (flat uint32, or None) beside them; their positions."""
         g = 0 if guess is None else guess.size
         return self._kernel(
-            inputs=[ids, self._no_guess if guess is None else guess, self._args[layer]],
+            inputs=[ids, self._no_guess if guess is None else guess, *self._inputs[layer]],
             template=[("N", ids.size), ("G", g)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
             output_shapes=[(ids.size,)], output_dtypes=[mx.uint32])[0]
 
@@ -299,7 +415,7 @@ class DeviceWait:
                 rows = serve(layer, stack, ids, guesses)
                 if rows:  # (the table follows at the next forward's build: positions)
                     self.rows[i, :n] = [rows.get(e, -1) for e in ids]
-                    self.granted[i] = turn  # (x86 stores are seen in order)
+                    self._grant(i, turn)
                 done += 1
                 # the graph up to AHEAD calls past this one to the GPU (queued
                 # only once every call before them is served: an async_eval
@@ -321,7 +437,7 @@ class DeviceWait:
             # its stale post as its own
             for layer, *_ in calls[done:]:
                 self.rows[self.slot[layer]] = 0
-                self.granted[self.slot[layer]] = turn
+                self._grant(self.slot[layer], turn)
             _queue(calls[-1][3])  # (what was not queued runs now, on those rows)
             try:
                 for layer, *_ in calls[done:]:
@@ -339,15 +455,28 @@ class DeviceWait:
                                f"wrong and is not used; --device-wait off syncs at each router "
                                f"instead")
 
+    def _grant(self, i, turn):
+        """Let slot ``i``'s kernel go on: a store that follows every store
+        before it (its rows, the records copied in) on any CPU."""
+        native.store_u32(self._mail_buf, 4 * (HEAD + len(self.slot) + i), turn)
+
     def _wait_posted(self, i, turn):
-        # spun on for the first few ms (a layer's compute): a sleep costs the
-        # GPU, should it wait for this call, 50 us or more to wake from
+        if not self._posted(i, turn, self.timeout_s):
+            raise RuntimeError(f"device wait: the GPU never reached layer slot {i} "
+                               f"(--device-wait off syncs at each router instead)")
+
+    def _posted(self, i, turn, timeout_s) -> bool:
+        """Whether slot ``i``'s kernel posts ``turn`` within ``timeout_s``;
+        what it wrote before is seen after (a load no later load passes).
+        Spun on for the first few ms (a layer's compute): a sleep costs the
+        GPU, should it wait for this call, 50 us or more to wake from."""
+        at = 4 * (HEAD + i)
         t0 = time.monotonic()
         spins = 0
-        while self.posted[i] != turn:
+        while native.load_u32(self._mail_buf, at) != turn:
             spins += 1
             if spins > SPINS:
                 time.sleep(20e-6)
-                if time.monotonic() - t0 > self.timeout_s:
-                    raise RuntimeError(f"device wait: the GPU never reached layer slot {i} "
-                                       f"(--device-wait off syncs at each router instead)")
+                if time.monotonic() - t0 > timeout_s:
+                    return False
+        return True
