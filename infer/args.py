@@ -166,6 +166,15 @@ def add_device_wait(p):
                         "load), or sync at each router (off)")
 
 
+def add_prefill(p):
+    """--prefill: the order of a long prompt's chunks (infer.runtime.prefill)."""
+    p.add_argument("--prefill", choices=("layer-major", "chunked"), default="layer-major",
+                   help="a prompt longer than a prefill step: its chunks pass each streamed layer "
+                        "in turn, so the layer's experts are read once (layer-major), or each chunk "
+                        "goes through the whole model before the next, as mlx-lm (chunked); the "
+                        "same ids either way")
+
+
 def add_dtype(p):
     """--dtype, resolved after parsing (``resolve_dtype``): ``args.dtype`` is
     a dtype's name or None (the folder's), ``args.dtype_choice`` says why."""

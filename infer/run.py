@@ -7,11 +7,12 @@ import os
 import resource
 import struct
 import sys
+import time
 from pathlib import Path
 
 from shared.units import format_size, parse_size
 
-from infer.args import (Parser, add_device_wait, add_dtype, add_sampling, add_version, first_line, iod_target, json_object,
+from infer.args import (Parser, add_device_wait, add_dtype, add_prefill, add_sampling, add_version, first_line, iod_target, json_object,
                         nonneg_int, one_of, positive_float, positive_int, seed_int, str2bool, unit_float)
 from infer.runtime.budget import AUTO_SHARE
 from infer.runtime.device import path_line
@@ -48,6 +49,7 @@ def build_parser():
     p.add_argument("--prefill-step-size", type=positive_int, default=None,
                    help="prompt tokens per prefill call (default: 2048, or less where --mem-budget "
                         "needs it)")
+    add_prefill(p)
     add_dtype(p)
     add_device_wait(p)
     p.add_argument("--iod", type=iod_target, default="auto",
@@ -698,6 +700,7 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None, adapter=Non
         limit = max(1, context_length(args.model) - len(ids))
     tokens, text = [], ""
     response = None
+    rest = ids  # the prompt tokens mlx-lm's generation prefills (layer-major: the last)
     if args.draft == "none":
         # within a budget, a prefill call's experts are bounded by its tokens
         step = plan.prefill_step if plan is not None else 2048
@@ -706,8 +709,23 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None, adapter=Non
         kv = {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size,
               "quantized_kv_start": args.quantized_kv_start} if args.kv_bits is not None else {}
         draft = {"draft_model": draft_model, "num_draft_tokens": args.num_draft} if draft_model else {}
-        responses = stream_generate(model, tokenizer, ids, max_tokens=limit, sampler=sampler,
-                                    max_kv_size=args.max_kv_size, prefill_step_size=step, **kv, **draft)
+        cache = None
+        if args.prefill == "layer-major" and not kv and not draft and plan is None:
+            # the prompt but its last token, as mlx-lm would (the same chunks); mlx-lm
+            # goes on from the cache, its prompt rate then counts this part too. (Not
+            # under a memory plan: a layer's experts kept for the chunks behind are
+            # more than the plan's prefill step counts.)
+            from mlx_lm.models.cache import make_prompt_cache
+
+            from infer.runtime.prefill import prefill
+
+            t0 = time.perf_counter()
+            cache = make_prompt_cache(model, max_kv_size=args.max_kv_size)
+            rest = prefill(model, store, ids, cache, step)
+            prefill_s = time.perf_counter() - t0
+        responses = stream_generate(model, tokenizer, rest, max_tokens=limit, sampler=sampler,
+                                    max_kv_size=args.max_kv_size, prefill_step_size=step,
+                                    prompt_cache=cache, **kv, **draft)
     else:
         responses = DraftedStream(model, tokenizer, ids, args.model, store, args.draft,
                                   args.num_draft, limit, manifest)
@@ -730,9 +748,12 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None, adapter=Non
             print(response.text, end="", flush=True)
     if response is not None and response.finish_reason == "stop":
         tokens.pop()  # the eos token is not part of the text
+    prompt_tps = response.prompt_tps if response else 0.0
+    if response is not None and len(rest) < len(ids):
+        prompt_tps = len(ids) / (prefill_s + len(rest) / response.prompt_tps)
     stats = session_stats(
         store,
-        response.prompt_tps if response else 0.0,
+        prompt_tps,
         response.generation_tps if response else 0.0,
         len(ids),
         len(tokens),

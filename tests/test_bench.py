@@ -68,10 +68,11 @@ def test_bench_runs_every_mode_with_equal_tokens(prep_model, tmp_path):
         assert (m["predict_s_per_token"] > 0) == (name != "sync")
     assert "resident" in report["modes"] and "host_s_per_token" not in report["modes"]["resident"]
     assert "host ms/tok (predict, on)" in r.stdout
-    # 8 tokens: all within the gate's warm-up, every pass predicted
+    # 8 tokens: all within the gate's warm-up, every pass predicted (the
+    # prompt's last token, a one-token pass as in mlx-lm, and 7 decode steps)
     gate = report["modes"]["iod"]["gate"]
     assert gate["mode"] == "auto" and gate["on"] and gate["passes_off"] == 0
-    assert gate["passes_on"] == 7 and gate["probes"] == []
+    assert gate["passes_on"] == 8 and gate["probes"] == []
 
 
 def short_bench(prep, tmp_path, modes, *flags):
@@ -100,7 +101,7 @@ def test_bench_without_prediction(prep_model, tmp_path):
     report = short_bench(prep_model("qwen3_moe"), tmp_path, "resident,inproc", "--predict", "off")
     assert report["tokens_equal"] is True and report["depth"] > 0
     m = report["modes"]["inproc"]
-    assert m["gate"]["mode"] == "off" and m["gate"]["passes_on"] == 0 and m["gate"]["passes_off"] == 7
+    assert m["gate"]["mode"] == "off" and m["gate"]["passes_on"] == 0 and m["gate"]["passes_off"] == 8
     assert m["predict_s_per_token"] == 0 and m["prefetched_bytes"] == 0 and m["recall"] is None
 
 

@@ -225,7 +225,8 @@ def test_the_replay_of_a_sessions_own_trace_misses_what_it_missed(prep_model, tm
     path = tmp_path / "t.json"
     path.write_text(json.dumps(store.routing_trace()))
     t = trace.read(path)
-    assert t.prefill_calls == 1 and t.decode_tokens == 15
+    # the prompt's last token is a one-token pass (as mlx-lm's), then 15 decode steps
+    assert t.prefill_calls == 1 and t.decode_tokens == 16
     cap = {l: s.capacity for l, s in store.stacks.items()}
     assert replay.count_misses(t, replay.DRIVERS["runtime"], cap)[1] == store.stats["misses"]
 

@@ -157,7 +157,7 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
             def __call__(self, *args, **kwargs):
                 # a decode call's misses may be copied in as late as here
                 # (ExpertStore.settle): before the caller evaluates the output
-                store.deferring = True
+                store.deferring = store.lockstep is None  # (a prefill's chunks take turns)
                 try:
                     return super().__call__(*args, **kwargs)
                 finally:

@@ -231,6 +231,11 @@ class ExpertStore:
         # sync). Not across threads: MLX evaluates a graph only with the
         # streams of its own thread (the lockstep's threads take turns)
         self.last_output = None
+        # a layer-major prefill (infer.runtime.prefill.Lockstep) while one
+        # runs, and the experts its chunks' calls read, kept for the chunks
+        # behind: layer -> (compact arrays, {expert: position})
+        self.lockstep = None
+        self.kept = {}
         # guesses of the next layers' experts and the hints to read them ahead
         self.prefetcher = Prefetcher(self, depth, calibration)
         # decode calls mapped to positions on the GPU, which waits for their
@@ -249,6 +254,8 @@ class ExpertStore:
                       **{"miss_" + k: 0 for k in MISS_KINDS},
                       "hits_first": 0,  # calls that computed cached experts while reading
                       "aside_calls": 0,  # one-token calls that computed bypassed experts apart
+                      # experts a layer-major prefill's chunk found read by a chunk ahead
+                      "prefill_kept": 0,
                       "whole_calls": 0,  # calls of whole layers: the resident call, no sync
                       "device_calls": 0,  # calls that found their experts on the GPU, no sync
                       "synced_calls": 0,  # calls that read their ids at a sync at the router
@@ -307,6 +314,11 @@ class ExpertStore:
         it; else every wanted expert is copied into one compact stack, and
         ``aside`` is None."""
         wanted = [int(e) for e in wanted]
+        if self.lockstep is not None and not split:
+            return self._gather_kept(layer, wanted, decode)
+        return self._gather(layer, wanted, split, decode, defer)
+
+    def _gather(self, layer, wanted, split=False, decode=False, defer=False):
         stack, missing = self._lookup(layer, wanted, decode)
         if not missing:
             return stack.arrays, [stack.position[e] for e in wanted], None
@@ -349,6 +361,23 @@ class ExpertStore:
         arrays = {key: mx.concatenate([arr[index], side.arrays[key]]) if cached else side.arrays[key]
                   for key, arr in stack.arrays.items()}
         order = {e: i for i, e in enumerate(cached + bypassed)}
+        return arrays, [order[e] for e in wanted], None
+
+    def _gather_kept(self, layer, wanted, decode):
+        """``gather`` in a layer-major prefill: the experts a chunk ahead read
+        for this layer serve this call; the rest are gathered and kept too,
+        in arrays of their own (a stack's rows may be written again)."""
+        arrays, order = self.kept.get(layer, (None, {}))
+        extra = [e for e in wanted if e not in order]
+        self.stats["prefill_kept"] += len(wanted) - len(extra)
+        if extra:
+            got, positions, _ = self._gather(layer, extra, decode=decode)
+            index = mx.array(np.array(positions, dtype=np.uint32))
+            base = len(order)
+            order = {**order, **{e: base + i for i, e in enumerate(extra)}}
+            arrays = {key: arr[index] if arrays is None else mx.concatenate([arrays[key], arr[index]])
+                      for key, arr in got.items()}
+            self.kept[layer] = (arrays, order)
         return arrays, [order[e] for e in wanted], None
 
     def _lookup(self, layer, wanted, decode):
@@ -594,6 +623,8 @@ class StreamingExperts(nn.Module):
         if stack is not None and stack.complete:
             return self._whole(x, indices, stack)
         rows = indices.size // indices.shape[-1]
+        if store.lockstep is not None:  # a layer-major prefill: the chunks ahead go first
+            store.lockstep.arrive(layer)
         if store.device is not None and store.deferring and rows == 1:
             stack = store.stack(layer)
             if store.device.fits(stack, indices.size) and not store.device.waiting(layer):
@@ -620,6 +651,8 @@ class StreamingExperts(nn.Module):
         one_token = ids.size == ids.shape[-1]
         arrays, positions, aside = store.gather(layer, unique, split=split and one_token, decode=decode,
                                                 defer=defer)
+        if store.lockstep is not None:
+            store.lockstep.passed(layer)
         y = self._compute(x, ids, unique, arrays, positions, aside, early)
         if guesses:
             # no misses: the experts compute while the next layers' reads are

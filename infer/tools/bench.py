@@ -37,7 +37,7 @@ from infer.data import CORPUS
 from infer.runtime.source import make_source
 from infer.tools.resident import load_resident
 from infer.tools import bench_draft
-from infer.args import (Parser, add_device_wait, add_dtype, mx_dtype, nonneg_float, nonneg_int, positive_int,
+from infer.args import (Parser, add_device_wait, add_dtype, add_prefill, mx_dtype, nonneg_float, nonneg_int, positive_int,
                    write_atomic)
 
 MODES = ("resident", "sync", "inproc", "iod")
@@ -74,6 +74,9 @@ def build_parser():
                         "never, or while decode passes measure faster with it (infer.runtime.gate: "
                         "its first decision is in force from the 65th decode pass)")
     add_device_wait(p)
+    add_prefill(p)
+    p.add_argument("--prefill-step-size", type=positive_int, default=2048,
+                   help="prompt tokens per prefill call, as infer run's")
     p.add_argument("--warm", action="store_true",
                    help="time a long session's steady state: fill the expert cache, run the "
                         "prompt and text once untimed, then time them again (caches kept)")
@@ -172,20 +175,24 @@ def forced_ids(tokenizer, n):
     return ids[:n]
 
 
-def decode(model, prompt_ids, follow, n, store=None, routing=None):
-    """One cold run: prefill, then ``n - 1`` decode steps. Returns timings,
-    the greedy prediction at every step, and the stall time of decode.
-    ``routing``: a ForcedRouting, started again at the trace's first token."""
+def decode(model, prompt_ids, follow, n, store=None, routing=None, step=2048, layer_major=True):
+    """One cold run: prefill (as ``infer run``: chunks of ``step`` tokens,
+    ``layer_major`` or one after another), then ``n - 1`` decode steps.
+    Returns timings, the greedy prediction at every step, and the stall
+    time of decode. ``routing``: a ForcedRouting, started again at the
+    trace's first token."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from infer.runtime.prefill import prefill
     from infer.runtime.streaming import MISS_KINDS
 
     if routing is not None:
         routing.reset()
     cache = make_prompt_cache(model)
     t0 = time.perf_counter()
-    logits = model(mx.array(prompt_ids)[None], cache=cache)
+    rest = prefill(model, store if layer_major else None, prompt_ids, cache, step)
+    logits = model(mx.array(rest)[None], cache=cache)
     y = mx.argmax(logits[0, -1])
     tokens = [int(y.item())]
     t1 = time.perf_counter()
@@ -204,6 +211,7 @@ def decode(model, prompt_ids, follow, n, store=None, routing=None):
         "decode_tok_s": (n - 1) / (t2 - t1) if n > 1 else 0.0,
     }
     if store is not None:
+        out["prefill_bytes"] = before["fetched_bytes"]  # (the run starts from reset stats)
         delta = {k: v - before[k] for k, v in store.stats.items() if k in before}
         out["stall_s"] = delta["stall_s"]
         out["stall_s_per_token"] = delta["stall_s"] / steps
@@ -317,6 +325,7 @@ def worker(args) -> dict:
 
     prompt_ids = encode_prompt(tokenizer, bench_draft.resolve_prompt(args.prompt), args.raw_prompt)
     follow = None if args.free_run else forced_ids(tokenizer, args.max_tokens)
+    prefill_order = (args.prefill_step_size, args.prefill == "layer-major")
     arena = parse_size(args.arena) if args.arena else staging_arena_bytes(manifest, args.depth)
     runs, daemon_peak, daemon_read = [], 0, []
     for r in range(args.runs):
@@ -337,13 +346,13 @@ def worker(args) -> dict:
             if args.warm:
                 if store is not None:
                     store.preload()
-                decode(model, prompt_ids, follow, args.max_tokens, store, routing)
+                decode(model, prompt_ids, follow, args.max_tokens, store, routing, *prefill_order)
                 if store is not None:
                     store.reset(keep_cache=True)
             if args.wait_go and r == 0:
                 print("READY", flush=True)
                 sys.stdin.readline()
-            run = decode(model, prompt_ids, follow, args.max_tokens, store, routing)
+            run = decode(model, prompt_ids, follow, args.max_tokens, store, routing, *prefill_order)
             if store is not None:
                 run["hits"], run["misses"] = store.stats["hits"], store.stats["misses"]
                 run["whole_calls"] = store.stats["whole_calls"]
@@ -377,6 +386,8 @@ def worker(args) -> dict:
         "prefill_tok_s": med(r["prefill_tok_s"] for r in runs),
         "prefill_tok_s_runs": [r["prefill_tok_s"] for r in runs],
         "prompt_tokens": len(prompt_ids),
+        # infer run's prefill: chunks of this many tokens, in this order
+        "prefill": {"order": args.prefill, "step": args.prefill_step_size},
         "tokens": last["tokens"],
         "peak_rss_infer": peak.stop(),
         "peak_rss_iod": daemon_peak,
@@ -401,6 +412,7 @@ def worker(args) -> dict:
         "hit_rate": last["hits"] / total if total else 1.0,
         "hits": last["hits"],
         "misses": last["misses"],
+        "prefill_bytes": last["prefill_bytes"],  # read by the prefill
         # Belady from a cold cache: not a bound for a run that starts warm
         "belady_misses": None if args.warm else belady_misses(last["trace"], capacity),
         "decode_misses": last["decode_misses"],
@@ -482,7 +494,8 @@ def _worker_argv(args, mode, out, extra=()):
         argv.append("--free-run")
     if args.warm:
         argv.append("--warm")
-    argv += ["--hits-first", args.hits_first, "--predict", args.predict, "--device-wait", args.device_wait]
+    argv += ["--hits-first", args.hits_first, "--predict", args.predict, "--device-wait", args.device_wait,
+             "--prefill", args.prefill, "--prefill-step-size", str(args.prefill_step_size)]
     if args.raw_prompt:
         argv.append("--raw-prompt")
     if args.arena:
