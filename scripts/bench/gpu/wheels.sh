@@ -12,7 +12,7 @@ cd "$(dirname "$0")/../../.."
 plat="--platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 dl=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
-  -d "$dl" mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 pyzmq msgpack pytest pluggy iniconfig packaging pygments
+  -d "$dl" mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 pyzmq msgpack greenlet pytest pluggy iniconfig packaging pygments
 rm -rf .gpu/w1 .gpu/w2; mkdir -p .gpu/w1 .gpu/w2
 wheel=$(ls "$dl"/mlx_cuda_13-*.whl)
 split -b 48000000 -d "$wheel" "$dl/part"
