@@ -75,7 +75,7 @@ dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `
   # MODEL: another prep folder, e.g. $W/p-synth after `synth`, with TRACE=none)
   shift
   [ "${TESTS:-1}" = 0 ] || { log tests; timeout ${TEST_S:-420} python3 -m pytest -q -p no:cacheprovider \
-    tests/test_device_wait.py 2>&1 | tail -6 | tee "$OUT/tests.txt"; }
+    tests/test_device_wait.py tests/test_prefill.py 2>&1 | tail -6 | tee "$OUT/tests.txt"; }
   tr=; [ -f "${TRACE:-.gpu/traces/qwen.route.csv}" ] && tr="--routing-trace ${TRACE:-.gpu/traces/qwen.route.csv}"
   for b in ${*:-0.5 0.25 0.1}; do
     for dw in auto off auto off; do
