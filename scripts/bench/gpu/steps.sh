@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
-#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -83,6 +83,16 @@ dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `
       timeout ${BENCH_S:-120} python3 -m infer.tools.bench --model "${MODEL:-$W/q30}" --budget "$b" --runs 1 --max-tokens 24 \
         --modes ${MODES:-iod} --device-wait $dw $tr --json "$OUT/dwait-$b-$dw-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|sync|runs|decode speed|infer bench: )"
     done
+  done ;;
+prefill)  # issue 48's prefill target (after `q30`): a long prompt (the corpus's first PROMPT_CHARS
+  # characters) at BUDGET, resident and iod, layer-major and chunked alternated; prompt_tokens,
+  # prefill_tok_s and prefill_bytes in each JSON
+  text=$(head -c ${PROMPT_CHARS:-20000} infer/data/corpus.txt)
+  for o in layer-major chunked layer-major chunked; do
+    log "prefill $o"
+    timeout ${BENCH_S:-200} python3 -m infer.tools.bench --model "$W/q30" --budget ${BUDGET:-0.25} --runs 1 \
+      --max-tokens 2 --modes ${MODES:-resident,iod} --prefill $o --prompt "$text" --raw-prompt \
+      --json "$OUT/prefill-$o-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|mode) "
   done ;;
 bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at each budget
   shift
