@@ -229,7 +229,8 @@ class ExpertStore:
         # lazy (a speculative rollback does), and its outputs must not read
         # positions the next forward writes (every write comes after a
         # sync). Not across threads: MLX evaluates a graph only with the
-        # streams of its own thread (the lockstep's threads take turns)
+        # streams of its own thread (the lockstep passes and a layer-major
+        # prefill's chunks are greenlets of one thread)
         self.last_output = None
         # a layer-major prefill (infer.runtime.prefill.Lockstep) while one
         # runs, and the experts its chunks' calls read, kept for the chunks

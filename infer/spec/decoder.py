@@ -10,8 +10,8 @@ one-token steps, pipelined as in mlx-lm's ``generate_step``.
 Three verify modes (``verify=``):
 
 - ``"exact"`` (default): the K+1 tokens go through the model as K+1
-  one-token forward passes, run in lockstep layer by layer (one thread per
-  token, only one running at a time). At every MoE layer the experts of all
+  one-token forward passes, run in lockstep layer by layer (one greenlet per
+  token, on one thread, taking turns). At every MoE layer the experts of all
   K+1 tokens are fetched together, as one union request, and then each token
   computes with exactly the shapes and cache contents of plain one-token
   decoding, so its logits are bit-identical to non-speculative decoding by
@@ -38,13 +38,14 @@ accepted tokens fed again at the start of the next pass.
 drafting (which drafter, which K) from measured costs: ``infer.spec.policy``.
 """
 
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
+from greenlet import greenlet
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from infer.spec.ngram import NgramDrafter
@@ -166,7 +167,7 @@ _STREAM = None
 
 
 def shared_stream():
-    """One stream that the lockstep verify's threads share (they take turns)."""
+    """The stream the speculative decoder computes on, its verify passes too."""
     global _STREAM
     if _STREAM is None:
         _STREAM = mx.new_thread_unsafe_stream(mx.default_device())
@@ -204,11 +205,14 @@ class _Forward:
 class Wavefront:
     """Runs n one-token forward passes in lockstep, one MoE layer at a time.
 
-    Token j's pass runs only after token j-1's pass has reached the same MoE
-    layer, so every cache sees the same updates in the same order as
-    step-by-step decoding. At each MoE layer the last token's thread fetches
-    the union of all n tokens' experts with one store call; each token then
-    computes with its own experts, as in one-token decoding.
+    The passes are greenlets on the calling thread (MLX's lazy arrays
+    belong to one thread's streams), run in turn as the chunks of a
+    layer-major prefill are (``infer.runtime.prefill``): token j's pass
+    reaches an MoE layer only after token j-1's has, so every cache sees
+    the same updates in the same order as step-by-step decoding. At each
+    MoE layer the last token's pass fetches the union of all n tokens'
+    experts with one store call; each token then computes with its own
+    experts, as in one-token decoding.
     """
 
     def __init__(self, forward, store=None, stream=None):
@@ -221,61 +225,32 @@ class Wavefront:
     def run(self, tokens, cache):
         n = len(tokens)
         self._n = n
-        self._error = None
         self._wanted = [None] * n
         self._fetched = None
-        # one event per token: a handoff wakes only the next thread
-        self._turn = [threading.Event() for _ in range(n)]
-        self._turn[0].set()
-        self._local = threading.local()
         results = [None] * n
+        passes = [greenlet(partial(self._work, j, tokens[j], cache, results)) for j in range(n)]
         if self.store is not None:
             self.store.gather = self._hook
         try:
-            threads = [
-                threading.Thread(target=self._work, args=(j, tokens[j], cache, results))
-                for j in range(n)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            # each pass in turn up to its next MoE layer (or its end)
+            while not all(p.dead for p in passes):
+                for j, p in enumerate(passes):
+                    if not p.dead:
+                        self._j = j
+                        p.switch()
         finally:
             if self.store is not None:
                 del self.store.gather
-        if self._error is not None:
-            raise self._error
         return results
 
-    def _wait(self, j):
-        self._turn[j].wait()
-        self._turn[j].clear()
-        if self._error is not None:
-            raise _Aborted()
-
-    def _pass(self, j):
-        self._turn[(j + 1) % self._n].set()
-
     def _work(self, j, token, cache, results):
-        self._local.j = j
-        try:
-            self._wait(j)
-            with mx.stream(self.stream):
-                logits, hidden = self.forward(mx.array([[token]]), cache)
-                results[j] = (logits, hidden)
-            self._pass(j)
-        except _Aborted:
-            pass
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            if self._error is None:
-                self._error = e
-            for ev in self._turn:
-                ev.set()
+        with mx.stream(self.stream):
+            results[j] = self.forward(mx.array([[token]]), cache)
 
     def _hook(self, layer, wanted, split=False, decode=False, defer=False):
         # stands in for ExpertStore.gather during the run; the union is
-        # copied in now (no deferral: the threads take turns on it)
-        j = self._local.j
+        # copied in now (no deferral: the passes take turns on it)
+        j = self._j
         self._wanted[j] = (layer, [int(e) for e in wanted])
         if j == self._n - 1:
             layers = {w[0] for w in self._wanted}
@@ -290,14 +265,10 @@ class Wavefront:
             arrays, positions, _ = type(self.store).gather(self.store, layer, np.array(union),
                                                            decode=decode)
             self._fetched = (arrays, dict(zip(union, positions)))
-        self._pass(j)
-        self._wait(j)
+        # the other passes' turns: each computes this layer once all have its union
+        greenlet.getcurrent().parent.switch()
         arrays, positions = self._fetched
         return arrays, [positions[e] for e in self._wanted[j][1]], None
-
-
-class _Aborted(Exception):
-    pass
 
 
 @dataclass
