@@ -11,17 +11,11 @@ from mlx_lm.utils import load as mlx_load
 from infer.runtime import prefill as layer_major
 from infer.runtime.loader import load_streaming
 from iod.inproc import InprocSource
+from tests.test_device_wait import ARCHS  # five architectures, one of each kind
 from tests.test_streaming import PROMPT
 
 STEP = 8  # tokens a chunk: a prompt of many chunks
 LONG = " ".join([PROMPT] * 4)
-ARCHS = [
-    ("qwen3_moe", "affine4"),
-    ("qwen3_next", "affine4"),
-    ("mixtral", "affine4"),
-    ("gpt_oss", "mxfp4"),
-    ("deepseek_v3", "affine4"),
-]
 
 
 def test_the_chunks_are_mlx_lms():
