@@ -57,10 +57,13 @@ def prefill(model, store, prompt, cache, step=2048):
     """Prefill ``prompt`` (token ids) into ``cache`` as mlx-lm's
     ``generate_step`` does, chunk by chunk; layer-major where the session
     streams and there are two chunks or more. Returns the tokens left for
-    the first decode step (the prompt's last one)."""
+    the first decode step (the prompt's last one). Over ranks (a pipeline
+    whose sends and receives go chunk by chunk) chunk after chunk."""
+    from infer.runtime.distributed import group
+
     parts = chunks(len(prompt), step)
     tokens = mx.array(prompt)
-    if len(parts) > 1 and store is not None and len(cache) == len(model.layers):
+    if len(parts) > 1 and store is not None and len(cache) == len(model.layers) and group() is None:
         Lockstep(model, store, [tokens[a:b] for a, b in parts], cache).run()
     else:
         for a, b in parts:
