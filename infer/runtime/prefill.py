@@ -24,6 +24,8 @@ from functools import partial
 import mlx.core as mx
 from greenlet import greenlet
 
+from infer.runtime.distributed import group
+
 
 class _NotYet(Exception):
     """A chunk read a cache the chunk ahead of it has not reached."""
@@ -59,8 +61,6 @@ def prefill(model, store, prompt, cache, step=2048):
     streams and there are two chunks or more. Returns the tokens left for
     the first decode step (the prompt's last one). Over ranks (a pipeline
     whose sends and receives go chunk by chunk) chunk after chunk."""
-    from infer.runtime.distributed import group
-
     parts = chunks(len(prompt), step)
     tokens = mx.array(prompt)
     if len(parts) > 1 and store is not None and len(cache) == len(model.layers) and group() is None:
