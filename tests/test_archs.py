@@ -1,6 +1,7 @@
 """Every mlx-lm MoE architecture: `infer prep` finds its experts and streaming
 gives stock mlx-lm's greedy ids, at the default cache and at one that holds
-less than a token's experts.
+less than a token's experts, and with the prompt prefilled layer-major in
+chunks.
 
 The architectures are the installed mlx-lm's model files that use SwitchGLU /
 SwitchMLP, and the model files built on those (VLM wrappers and variants, on
@@ -21,10 +22,12 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import switch_layers
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes, load_model, quantize_model, save_config, save_model
 
 from infer.runtime.client import IodClient
 from infer.runtime.loader import load_streaming
+from infer.runtime.prefill import prefill
 from infer.prep.prep import prep
 from shared.fixtures import LiveDaemon
 
@@ -207,8 +210,8 @@ def build(arch, folder: Path, tokenizer_dir: Path) -> Path:
     return folder
 
 
-def greedy(model):
-    steps = generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS)
+def greedy(model, **kwargs):
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=N_TOKENS, **kwargs)
     return [int(t) for t, _ in steps]
 
 
@@ -241,7 +244,10 @@ def test_streaming_equals_stock_mlx_lm(arch, tmp_path, tokenizer_dir, daemon):
     if arch in SKIP:
         pytest.skip(SKIP[arch])
     src = build(arch, tmp_path / "src", tokenizer_dir)
-    expected = greedy(load_model(src)[0])
+    stock = load_model(src)[0]
+    expected = greedy(stock)
+    # the prompt in chunks of 4 tokens: mlx-lm's ids with those chunks
+    in_chunks = greedy(stock, prefill_step_size=4)
 
     dst = tmp_path / "prep"
     manifest = prep(src, dst, progress=False)
@@ -263,4 +269,14 @@ def test_streaming_equals_stock_mlx_lm(arch, tmp_path, tokenizer_dir, daemon):
         finally:
             client.close()
     assert 0 < misses[0] <= misses[1], misses
+    # the same chunks layer-major (infer.runtime.prefill), one expert a layer cached
+    client = IodClient(dst, iod=str(daemon.socket))
+    try:
+        model, _, store = load_streaming(dst, client, one_layer)
+        cache = make_prompt_cache(model)
+        rest = prefill(model, store, PROMPT, cache, 4)
+        steps = generate_step(mx.array(rest), model, max_tokens=N_TOKENS, prompt_cache=cache)
+        assert [int(t) for t, _ in steps] == in_chunks, (arch, "layer-major prefill")
+    finally:
+        client.close()
     print(f"{arch}: {len(manifest.layers)} MoE layers ({manifest.layers[0].module}), misses {misses}")
