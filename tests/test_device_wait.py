@@ -466,3 +466,41 @@ def test_a_layer_called_twice_in_one_forward_syncs_the_second_call(prep_model, m
         source.close()
     assert store.stats["device_calls"] == 1 and store.stats["synced_calls"] == 1
     assert [ids for _, ids, _, _ in gpu.log] == [list(range(k))]
+
+
+def test_a_synced_calls_deferred_misses_are_copied_before_the_forward_is_queued(prep_model, monkeypatch):
+    """A forward with a synced call (here: every call of one layer) among
+    device-path calls: the synced call's misses, deferred to the end of the
+    forward, are copied in before any of the forward's graph goes to the
+    GPU, which would compute that call's experts from rows not written yet
+    (on an H100, 2026-12-07, qwen3_next at 15% gave other ids until this)."""
+    from infer.runtime.device import DeviceWait
+
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    synced = min(store.device.slot)
+    fits = DeviceWait.fits
+    monkeypatch.setattr(DeviceWait, "fits", lambda dw, stack, n: stack.layout.layer != synced and fits(dw, stack, n))
+    queue, pending_at_queue = gpu._queue, []
+
+    def queue_checked(y):
+        pending_at_queue.append(len(store._pending))
+        queue(y)
+
+    monkeypatch.setattr(device, "_queue", queue_checked)
+    deferred = [0]
+    fill = store._fill
+
+    def counting(layer, experts, copy, stacks, defer):
+        deferred[0] += bool(defer)
+        return fill(layer, experts, copy, stacks, defer)
+
+    monkeypatch.setattr(store, "_fill", counting)
+    try:
+        list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=24))
+    finally:
+        gpu.close()
+        source.close()
+    assert deferred[0] > 0 and store.stats["device_calls"] > 0
+    assert pending_at_queue and not any(pending_at_queue)

@@ -441,11 +441,11 @@ class ExpertStore:
             raise
 
     def settle(self):
-        """Copy in the misses calls deferred (``gather``) and serve the
+        """Copy in the misses calls deferred (``gather``), then serve the
         device-path calls (``infer.runtime.device``), before anything
-        evaluates those calls' outputs."""
-        if self.device is not None and self.device.calls:
-            self.device.finish(self.serve_device, self.hint)
+        evaluates those calls' outputs. In that order: serving queues the
+        forward on the GPU, a synced call's experts among it, which must
+        find their deferred rows written."""
         try:
             while self._pending:
                 self._fetch(*self._pending[0][:3])
@@ -455,7 +455,11 @@ class ExpertStore:
                 for s in written:
                     s.forget(missed)
             self._pending = []
+            if self.device is not None:
+                self.device.calls = []  # (never queued: the forward raises)
             raise
+        if self.device is not None and self.device.calls:
+            self.device.finish(self.serve_device, self.hint)
 
     def _aside(self, layer, layout, n):
         """A stack of at least ``n`` positions for a one-token call's bypassed
