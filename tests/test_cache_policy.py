@@ -191,8 +191,9 @@ def test_policy_traces_record_each_call_and_the_next_layers_guesses(trained_prep
     traces = bench.record(prep, 8, stretches=1)
     assert set(traces) == {"s0-forced", "s0-free"}
     for trace in traces.values():
-        # a prefill call and 7 decode calls per layer, in layer order
-        assert [l for l, _, _ in trace] == layers * 8
+        # a prefill call, the prompt's last token (a one-token pass, as in
+        # mlx-lm) and 7 decode calls per layer, in layer order
+        assert [l for l, _, _ in trace] == layers * 9
         for n, (layer, experts, guesses) in enumerate(trace):
             assert len(experts) == (8 if n >= len(layers) else len(experts)) and experts
             assert all(0 <= e < 64 for e in experts)
