@@ -14,8 +14,8 @@ from iod.inproc import InprocSource
 from tests.test_device_wait import ARCHS  # five architectures, one of each kind
 from tests.test_streaming import PROMPT
 
-STEP = 8  # tokens a chunk: a prompt of many chunks
-LONG = " ".join([PROMPT] * 4)
+STEP = 16  # tokens a chunk: more than a decode-sized call (no hints), a prompt of many chunks
+LONG = " ".join([PROMPT] * 8)
 
 
 def test_the_chunks_are_mlx_lms():
