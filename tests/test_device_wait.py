@@ -213,6 +213,15 @@ def _fake_session(prep, gpu, fraction=0.15, backend="cuda"):
     return source, model, tokenizer, store
 
 
+def _generate(gpu, source, model, tokenizer, n):
+    """``n`` greedy tokens of PROMPT on the fake GPU; then it stops and the source closes."""
+    try:
+        list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=n))
+    finally:
+        gpu.close()
+        source.close()
+
+
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model, monkeypatch, backend):
     """On the CPU, with the kernels run by a thread as the GPU runs them:
@@ -329,11 +338,7 @@ def test_the_next_layers_guesses_come_back_with_the_ids_and_are_hinted(prep_mode
 
     monkeypatch.setattr(ahead, "predict", predicting)
     monkeypatch.setattr(ahead, "prefetch", prefetching)
-    try:
-        list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=16))
-    finally:
-        gpu.close()
-        source.close()
+    _generate(gpu, source, model, tokenizer, 16)
     assert store.stats["device_calls"] > 0 and len(hinted) > 0
     assert len(made) == len(hinted)
     for ours, theirs in zip(made, hinted):
@@ -497,10 +502,6 @@ def test_a_synced_calls_deferred_misses_are_copied_before_the_forward_is_queued(
         return fill(layer, experts, copy, stacks, defer)
 
     monkeypatch.setattr(store, "_fill", counting)
-    try:
-        list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=24))
-    finally:
-        gpu.close()
-        source.close()
+    _generate(gpu, source, model, tokenizer, 24)
     assert deferred[0] > 0 and store.stats["device_calls"] > 0
     assert pending_at_queue and not any(pending_at_queue)
