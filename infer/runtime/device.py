@@ -45,6 +45,8 @@ import numpy as np
 
 import native
 
+from infer.args import first_line
+
 MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
 TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
 SPINS = 10_000  # polls of a post (1-3 ms) before the host sleeps between them
@@ -288,14 +290,14 @@ class DeviceWait:
         try:
             dw = cls(store, store.cached, kind)
         except (OSError, RuntimeError, ValueError) as e:
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            why = first_line(e)
         else:
             try:
                 if dw.works():
                     return dw
                 why = "its kernel failed its check at load"
             except (RuntimeError, ValueError) as e:  # (a kernel that does not build)
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                why = first_line(e)
             dw.close()
         print(f"infer: no device wait on this {kind} GPU ({why}); streamed calls sync at "
               f"their routers", file=sys.stderr)
