@@ -84,13 +84,13 @@ class Lockstep:
         self.lists = [list(cache)] + [[_Guard()] * len(cache) for _ in range(n - 1)]
         self.at = [-1] * n  # the layer of each chunk's latest streamed call
         self.done = [False] * n
+        self.glets = [None] * n  # each chunk's greenlet, once started
         self.current = None
         self.left = {}  # layer -> chunks still to pass it, while its experts are kept
 
     def run(self):
         store = self.store
         store.lockstep, store.kept = self, {}
-        self.glets = [None] * len(self.parts)
         try:
             while not all(self.done):
                 moved = False
