@@ -52,17 +52,18 @@ TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
 SPINS = 10_000  # polls of a post (1-3 ms) before the host sleeps between them
 CHECK_S = 5  # the load's check waits this long for a kernel's post
 HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
-# One MLX command buffer a layer's graph, not one per 20 kernels: MLX blocks
-# the host in async_eval while ~10 are in flight, and a queued call may be
-# waiting for the host. MLX reads this at its first CUDA evaluation: set
-# here where none has run yet (nothing allocated), as a CLI process imports
-# this before it loads a model.
-_FRESH = mx.cuda.is_available() and mx.get_peak_memory() == 0
-if _FRESH:
+# The host queues a call's graph only once every call queued before it is
+# served (``finish``): inside MLX's async_eval the host may block (MLX's
+# back-pressure on command buffers in flight, its allocator), and a kernel
+# waiting for this host must never be what it waits for. So a call's graph is
+# one command buffer, launched as async_eval returns, not cut into buffers of
+# 20-50 kernels or 40-400 MB of inputs whose first may wait while the rest is
+# encoded. MLX reads these at its first GPU evaluation: set here where none has
+# run yet (nothing allocated), as a CLI process imports this before it loads a
+# model.
+if (mx.cuda.is_available() or mx.metal.is_available()) and mx.get_peak_memory() == 0:
     os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "200")
-# calls queued on the GPU past the one the host served last, computed while
-# it serves the next: two where a layer's graph is one command buffer, else one
-AHEAD = 2 if _FRESH and int(os.environ.get("MLX_MAX_OPS_PER_BUFFER", "0") or 0) >= 100 else 1
+    os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", "1000000")
 
 _CUDA_SOURCE = """
     uint64_t* box = (uint64_t*)box_in;
@@ -396,8 +397,9 @@ class DeviceWait:
         posts their ids: ``serve(layer, stack, ids, guesses)`` places and
         copies in a call's misses (hinting its guesses first) and returns
         {expert: row}, or None with no miss; such a call's guesses go to
-        ``hint(guesses)`` once the calls ahead are queued, so the GPU does
-        not wait for their plan. Then the next turn."""
+        ``hint(guesses)`` once the next call is queued, so the GPU does not
+        wait for their plan. A call is queued once every call before it is
+        served. Then the next turn."""
         calls, self.calls = self.calls, []
         if not calls:
             return
@@ -405,7 +407,6 @@ class DeviceWait:
         prof = self.store.profiler
         done = 0
         _queue(calls[0][3])
-        queued = 1
         try:
             for j, (layer, stack, n, _, readback, guessed) in enumerate(calls):
                 i = self.slot[layer]
@@ -419,13 +420,12 @@ class DeviceWait:
                     self.rows[i, :n] = [rows.get(e, -1) for e in ids]
                     self._grant(i, turn)
                 done += 1
-                # the graph up to AHEAD calls past this one to the GPU (queued
-                # only once every call before them is served: an async_eval
-                # that MLX makes wait waits for calls that go on by themselves)
-                ahead = min(j + AHEAD, len(calls) - 1)
-                if ahead >= queued:
-                    _queue(calls[ahead][3])
-                    queued = ahead + 1
+                # the next call's graph to the GPU, now that no queued kernel
+                # waits for this host (an H100, 2026-12-07: queueing two calls
+                # ahead hung the first token of the qwen3-30b-a3b preset in
+                # async_eval while the call before it waited for its grant)
+                if j + 1 < len(calls):
+                    _queue(calls[j + 1][3])
                 if guesses and rows is None:
                     hint(guesses)
                 if prof:  # the wait for the GPU to post, then the host's work on the ids

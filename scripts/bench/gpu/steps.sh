@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
-#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -78,7 +78,7 @@ dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `
     tests/test_device_wait.py tests/test_prefill.py 2>&1 | tail -6 | tee "$OUT/tests.txt"; }
   tr=; [ -f "${TRACE:-.gpu/traces/qwen.route.csv}" ] && tr="--routing-trace ${TRACE:-.gpu/traces/qwen.route.csv}"
   for b in ${*:-0.5 0.25 0.1}; do
-    for dw in auto off auto off; do
+    for dw in ${DW:-auto off auto off}; do
       log "bench $b device-wait $dw"
       timeout ${BENCH_S:-120} python3 -m infer.tools.bench --model "${MODEL:-$W/q30}" --budget "$b" --runs 1 --max-tokens 24 \
         --modes ${MODES:-iod} --device-wait $dw $tr --json "$OUT/dwait-$b-$dw-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|sync|runs|decode speed|infer bench: )"
@@ -93,6 +93,14 @@ prefill)  # issue 48's prefill target (after `q30`): a long prompt (the corpus's
     timeout ${BENCH_S:-200} python3 -m infer.tools.bench --model "$W/q30" --budget ${BUDGET:-0.25} --runs 1 \
       --max-tokens 2 --modes ${MODES:-resident,iod} --prefill $o --prompt "$text" --raw-prompt \
       --json "$OUT/prefill-$o-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|mode) "
+  done ;;
+profile)  # issue 48's host time a streamed layer: `infer run --profile` on q30 (after `q30`) at the
+  # default cache (25%), device wait on (auto) and off; summary.md per layer in each folder
+  for dw in ${DW:-auto off}; do
+    log "profile $dw"
+    timeout ${BENCH_S:-200} python3 -m infer.cli run --model "$W/q30" --max-tokens ${TOKENS:-32} --ignore-chat-template \
+      --prompt "def fibonacci(n):" --device-wait $dw --profile "$OUT/prof-$dw" 2>&1 | tail -4
+    rm -f "$OUT/prof-$dw/trace.json"
   done ;;
 bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at each budget
   shift
