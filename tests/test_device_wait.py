@@ -111,6 +111,7 @@ class FakeGPU:
         # for a grant not given: inside async_eval MLX may make the host wait
         # for the GPU, so the host must queue only once all it queued is served
         self.running, self.waiting, self.unsafe_queues = 0, None, 0
+        self.queued = 0  # calls queued in all
         monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
         for name in ("cuda_kernel", "metal_kernel"):
             monkeypatch.setattr(mx.fast, name, lambda **kw: self._kernel, raising=False)
@@ -143,6 +144,7 @@ class FakeGPU:
             w = self.waiting
             self.unsafe_queues += bool(self.pending) or (w is not None and dw.granted[w[0]] != w[1])
             self.pending += todo
+            self.queued += len(todo)
             self.lock.notify()
 
     def _run(self):
@@ -232,15 +234,19 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
     host's grant, are the rows the host placed its experts in, and each of
     those rows holds that expert's record by then; every miss is granted,
     no kernel waits out its timeout, and the cache evicts as it goes. The
-    same with the mailbox in MLX arrays, as on Metal."""
+    same with the mailbox in MLX arrays, as on Metal. The host queues a
+    call only once no kernel queued before it can wait for the host, and
+    the call after an all-hit one before that one's bookkeeping."""
     prep = prep_model("qwen3_moe")
     gpu = FakeGPU(monkeypatch)
     source, model, tokenizer, store = _fake_session(prep, gpu, backend=backend)
-    host_rows = []
+    host_rows, ahead = [], []  # ahead: (layer, no miss, calls queued past this one as it is served)
     serve = store.serve_device
 
     def checking(layer, stack, ids, guesses=None):
+        queued = gpu.queued - len(host_rows) - 1
         places = serve(layer, stack, ids, guesses)
+        ahead.append((layer, places is None, queued))
         records = source.read(layer, sorted(set(ids)))
         for s in stack.layout.segments:
             arr = np.array(stack.arrays[(s.projection, s.tensor)].view(mx.uint8))
@@ -258,6 +264,10 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
         source.close()
     assert gpu.timeouts == 0
     assert gpu.unsafe_queues == 0
+    # a forward's calls go in layer order: its last has no call after it
+    last = [i + 1 == len(ahead) or ahead[i + 1][0] <= ahead[i][0] for i in range(len(ahead))]
+    early = [hit and not end for (_, hit, _), end in zip(ahead, last)]
+    assert [q for *_, q in ahead] == [int(e) for e in early] and any(early)
     assert len(gpu.log) == store.stats["device_calls"] == len(host_rows) > 0
     assert [rows for _, _, rows, _ in gpu.log] == host_rows
     assert all(len(set(rows)) == len(set(ids)) for _, ids, rows, _ in gpu.log)

@@ -398,8 +398,8 @@ class DeviceWait:
         copies in a call's misses (hinting its guesses first) and returns
         {expert: row}, or None with no miss; such a call's guesses go to
         ``hint(guesses)`` once the next call is queued, so the GPU does not
-        wait for their plan. A call is queued once every call before it is
-        served. Then the next turn."""
+        wait for their plan. A call is queued once no kernel queued before
+        it can wait for this host. Then the next turn."""
         calls, self.calls = self.calls, []
         if not calls:
             return
@@ -414,17 +414,22 @@ class DeviceWait:
                 self._wait_posted(i, turn)
                 t1 = time.monotonic_ns()
                 ids = self.ids[i, :n].tolist()
+                # the next call's graph to the GPU once no queued kernel waits
+                # for this host (an H100, 2026-12-07: queueing two calls ahead
+                # hung the qwen3-30b-a3b preset's first token in async_eval
+                # while the call before waited for its grant): at once where
+                # this kernel found every row in its table, else once served
+                hit = bool((self.tables[i, ids] >= 0).all())
+                later = j + 1 < len(calls)
+                if hit and later:
+                    _queue(calls[j + 1][3])
                 guesses = readback(self.guesses[i, :guessed].astype(np.uint32)) if readback else None
                 rows = serve(layer, stack, ids, guesses)
                 if rows:  # (the table follows at the next forward's build: positions)
                     self.rows[i, :n] = [rows.get(e, -1) for e in ids]
                     self._grant(i, turn)
                 done += 1
-                # the next call's graph to the GPU, now that no queued kernel
-                # waits for this host (an H100, 2026-12-07: queueing two calls
-                # ahead hung the first token of the qwen3-30b-a3b preset in
-                # async_eval while the call before it waited for its grant)
-                if j + 1 < len(calls):
+                if not hit and later:
                     _queue(calls[j + 1][3])
                 if guesses and rows is None:
                     hint(guesses)
