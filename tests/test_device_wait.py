@@ -12,6 +12,7 @@ from mlx_lm.generate import generate_step
 
 from infer.runtime import device
 from infer.runtime.loader import load_streaming
+from infer.tools.profile import Profiler, summarize
 from iod.inproc import InprocSource
 from tests.test_streaming import PROMPT, greedy, mlx_reference
 
@@ -257,6 +258,7 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
         return places
 
     store.serve_device = checking
+    store.profiler = Profiler()
     try:
         list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=24))
     finally:
@@ -264,6 +266,12 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
         source.close()
     assert gpu.timeouts == 0
     assert gpu.unsafe_queues == 0
+    # the profile: each device call's host work on the token's path, then aside
+    spans = store.profiler.spans
+    hits = sum(hit for _, hit, _ in ahead)
+    assert sum(kind == "aside" for kind, *_ in spans) == len(ahead)
+    assert sum(kind == "host" and n == 1 for kind, *_, n in spans) == hits
+    assert summarize([], spans, [], [], {})["all_hit_host_us"]["n"] == hits
     # a forward's calls go in layer order: its last has no call after it
     last = [i + 1 == len(ahead) or ahead[i + 1][0] <= ahead[i][0] for i in range(len(ahead))]
     early = [hit and not end for (_, hit, _), end in zip(ahead, last)]

@@ -423,6 +423,7 @@ class DeviceWait:
                 later = j + 1 < len(calls)
                 if hit and later:
                     _queue(calls[j + 1][3])
+                t2 = time.monotonic_ns()
                 guesses = readback(self.guesses[i, :guessed].astype(np.uint32)) if readback else None
                 rows = serve(layer, stack, ids, guesses)
                 if rows:  # (the table follows at the next forward's build: positions)
@@ -431,11 +432,15 @@ class DeviceWait:
                 done += 1
                 if not hit and later:
                     _queue(calls[j + 1][3])
+                if not (hit and later):
+                    t2 = time.monotonic_ns()
                 if guesses and rows is None:
                     hint(guesses)
-                if prof:  # the wait for the GPU to post, then the host's work on the ids
+                if prof:  # the wait for the GPU to post; the host's work on the token's
+                    # path (n: 1 for an all-hit call); its work while the GPU runs on
                     prof.span("compute", layer, t0, t1)
-                    prof.span("host", layer, t1, time.monotonic_ns())
+                    prof.span("host", layer, t1, t2, int(hit))
+                    prof.span("aside", layer, t2, time.monotonic_ns())
         except BaseException:
             # the forward raises: its waiting layers go on at once (on row 0).
             # A kernel reads the turn as it starts, so this one stays until

@@ -343,6 +343,10 @@ def summarize(records, spans, tokens, copies, meta, disk_ceiling=None) -> dict:
         "bytes_per_token": copied / n_tokens if n_tokens else None,
         "decode_bytes_per_token": decode / (n_tokens - 1) if n_tokens > 1 else None,
         "demand_bursts": burst_summary(demand_bursts(records), disk_ceiling),
+        # the device wait's all-hit calls: the host's work on the token's path
+        # (from the GPU's post to the next call queued), µs
+        "all_hit_host_us": percentiles((t1 - t0) / 1e3 for kind, _, t0, t1, n in spans
+                                       if kind == "host" and n == 1),
     }
     if n_tokens > 1:
         gaps = np.diff(np.asarray(tokens, dtype=np.float64)) / 1e6
@@ -360,10 +364,12 @@ def decode_split(spans, tokens) -> dict:
     router, the one sync per streamed layer), ``stall`` (waiting for
     records), ``copy`` (records into MLX), ``host`` (the streamed layers' own
     work on the host: prediction, lookup, prefetch plan, the expert call's
-    graph) and ``other`` (the rest: the model's other layers built on the
-    host, sampling; with no streamed layer, all of it)."""
+    graph), ``aside`` (the device wait's host work on a call once the next
+    is queued, the GPU running on) and ``other`` (the rest: the model's
+    other layers built on the host, sampling; with no streamed layer, all
+    of it)."""
     start, end = tokens[0], tokens[-1]
-    total = {"compute": 0, "stall": 0, "copy": 0, "host": 0}
+    total = {"compute": 0, "stall": 0, "copy": 0, "host": 0, "aside": 0}
     for kind, _, t0, t1, _ in spans:
         if kind in total and t0 >= start and t1 <= end:
             total[kind] += t1 - t0
@@ -404,14 +410,20 @@ def summary_markdown(s) -> str:
     d = s.get("decode_ms_per_token")
     if d:
         lines += ["", "## A decode token's time (ms)", "",
-                  "| compute | host | stall | copy | other | total |",
-                  "| ---: | ---: | ---: | ---: | ---: | ---: |",
+                  "| compute | host | stall | copy | aside | other | total |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
                   f"| {d['compute']:.2f} | {d['host']:.2f} | {d['stall']:.2f} | {d['copy']:.2f} "
-                  f"| {d['other']:.2f} | {d['total']:.2f} |", "",
+                  f"| {d['aside']:.2f} | {d['other']:.2f} | {d['total']:.2f} |", "",
                   "compute: waiting for the model's work up to each streamed layer's router "
                   "(one sync a layer); host: the streamed layers' own host work (prediction, "
-                  "lookup, prefetch plan, the expert call's graph); other: the rest of the "
+                  "lookup, prefetch plan, the expert call's graph); aside: the device wait's "
+                  "host work on a call once the next is queued; other: the rest of the "
                   "model's host work and sampling."]
+    h = s.get("all_hit_host_us") or {}
+    if h.get("n"):
+        lines += ["", f"Device wait: an all-hit call's host work on the token's path (its post "
+                  f"read to the next call queued): p50 {_f(h['p50'])} µs, p90 {_f(h['p90'])} µs, "
+                  f"p99 {_f(h['p99'])} µs over {h['n']} calls."]
     meta = s.get("meta") or {}
     if meta.get("layer_calls"):
         lines += ["", "## Path", "", path_line(meta["layer_calls"], meta["device_wait"])
