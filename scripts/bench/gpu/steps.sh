@@ -57,7 +57,7 @@ q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm k
   rm -rf "$W/q30-src"
   log doctor; iod doctor --model "$W/q30" --seconds 1 --rounds 2 --plot "$OUT/doctor.png" --json > "$OUT/doctor.json"
   log dd; for f in "$W"/q30/layer010.blob "$W"/q30/layer030.blob; do dd if="$f" of=/dev/null bs=3M iflag=direct 2>&1 | tail -1; done | tee "$OUT/dd.txt"
-  log warm; time infer run --model "$W/q30" --max-tokens 4 --prompt "Hello" 2>&1 | tail -3
+  log warm; time timeout ${WARM_S:-240} python3 -m infer.cli run --model "$W/q30" --max-tokens 4 --prompt "Hello" 2>&1 | tail -3
   # the kernels it compiled, for `setup` to unpack from .gpu/ptx on a later machine
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
 q30trace)  # the q30 preset routed as Qwen3-30B-A3B's recorded trace (TRACE, carried in .gpu/traces):
