@@ -52,8 +52,8 @@ TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
 SPINS = 10_000  # polls of a post (1-3 ms) before the host sleeps between them
 CHECK_S = 5  # the load's check waits this long for a kernel's post
 HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
-# The host queues a call's graph only once every call queued before it is
-# served (``finish``): inside MLX's async_eval the host may block (MLX's
+# The host queues a call's graph only once no kernel queued before it can wait
+# for this host (``finish``): inside MLX's async_eval the host may block (MLX's
 # back-pressure on command buffers in flight, its allocator), and a kernel
 # waiting for this host must never be what it waits for. So a call's graph is
 # one command buffer, launched as async_eval returns, not cut into buffers of
@@ -420,19 +420,19 @@ class DeviceWait:
                 # while the call before waited for its grant): at once where
                 # this kernel found every row in its table, else once served
                 hit = bool((self.tables[i, ids] >= 0).all())
-                later = j + 1 < len(calls)
-                if hit and later:
+                early = hit and j + 1 < len(calls)
+                if early:
                     _queue(calls[j + 1][3])
-                t2 = time.monotonic_ns()
+                t2 = time.monotonic_ns()  # (the host's work on the token's path ends here)
                 guesses = readback(self.guesses[i, :guessed].astype(np.uint32)) if readback else None
                 rows = serve(layer, stack, ids, guesses)
                 if rows:  # (the table follows at the next forward's build: positions)
                     self.rows[i, :n] = [rows.get(e, -1) for e in ids]
                     self._grant(i, turn)
                 done += 1
-                if not hit and later:
-                    _queue(calls[j + 1][3])
-                if not (hit and later):
+                if not early:
+                    if j + 1 < len(calls):
+                        _queue(calls[j + 1][3])
                     t2 = time.monotonic_ns()
                 if guesses and rows is None:
                     hint(guesses)
