@@ -110,8 +110,9 @@ class FakeGPU:
         self.timeouts = 0  # kernels that gave up waiting for their grant
         # calls queued while a kernel queued before had not run, or waited
         # for a grant not given: inside async_eval MLX may make the host wait
-        # for the GPU, so the host must queue only once all it queued is served
-        self.running, self.waiting, self.unsafe_queues = 0, None, 0
+        # for the GPU, so the host must queue only once no kernel it queued
+        # can wait for it
+        self.waiting, self.unsafe_queues = None, 0
         self.queued = 0  # calls queued in all
         monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
         for name in ("cuda_kernel", "metal_kernel"):
@@ -158,7 +159,6 @@ class FakeGPU:
                 if self.stop:
                     return
                 slot, ids, guess = self.pending.pop(0)
-                self.running = 1
             dw = self.store.device
             turn = int(dw.mail[0])  # (read as the kernel starts, as the CUDA one does)
             dw.ids[slot, : len(ids)] = ids
@@ -179,7 +179,6 @@ class FakeGPU:
                 rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
             with self.lock:
                 self.log.append((slot, ids, rows, waited))
-                self.running = 0
 
     def watch(self, store):
         """Keep each call's kernel inputs as the store notes the call."""
@@ -259,11 +258,7 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
 
     store.serve_device = checking
     store.profiler = Profiler()
-    try:
-        list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=24))
-    finally:
-        gpu.close()
-        source.close()
+    _generate(gpu, source, model, tokenizer, 24)
     assert gpu.timeouts == 0
     assert gpu.unsafe_queues == 0
     # the profile: each device call's host work on the token's path, then aside
@@ -301,12 +296,8 @@ def test_a_failed_read_releases_every_waiting_kernel(prep_model, monkeypatch):
         return serve(layer, stack, ids, guesses)
 
     store.serve_device = failing
-    try:
-        with pytest.raises(OSError, match="went away"):
-            list(generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=24))
-    finally:
-        gpu.close()
-        source.close()
+    with pytest.raises(OSError, match="went away"):
+        _generate(gpu, source, model, tokenizer, 24)
     assert not store.device.mail[1]
     queued = sum(1 for c in store.device.calls_seen if c[3] is None)
     assert len(gpu.log) == queued > 0
