@@ -420,9 +420,10 @@ class DeviceWait:
                 # while the call before waited for its grant): at once where
                 # this kernel found every row in its table, else once served
                 hit = bool((self.tables[i, ids] >= 0).all())
-                early = hit and j + 1 < len(calls)
+                nxt = calls[j + 1][3] if j + 1 < len(calls) else None
+                early = hit and nxt is not None
                 if early:
-                    _queue(calls[j + 1][3])
+                    _queue(nxt)
                 t2 = time.monotonic_ns()  # (the host's work on the token's path ends here)
                 guesses = readback(self.guesses[i, :guessed].astype(np.uint32)) if readback else None
                 rows = serve(layer, stack, ids, guesses)
@@ -431,8 +432,8 @@ class DeviceWait:
                     self._grant(i, turn)
                 done += 1
                 if not early:
-                    if j + 1 < len(calls):
-                        _queue(calls[j + 1][3])
+                    if nxt is not None:
+                        _queue(nxt)
                     t2 = time.monotonic_ns()
                 if guesses and rows is None:
                     hint(guesses)
