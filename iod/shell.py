@@ -113,7 +113,11 @@ class Shell:
             self.poller.register(self.parent_fd, zmq.POLLIN)
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(s, self._on_signal)
-        if self.parent_fd is not None:  # a private daemon follows its parent, through the pipe
+        if self.parent_fd is not None:
+            # a private daemon follows its parent, through the pipe: a terminal's
+            # Ctrl-C or hang-up reaches the whole group, and a daemon that left
+            # first made its parent report "daemon went away" instead of the signal
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
         elif signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # not under nohup
             signal.signal(signal.SIGHUP, self._on_signal)  # its terminal closed: stop cleanly
