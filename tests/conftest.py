@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 
 # A suite started in the background by a shell without job control ignores
-# SIGINT, and every child inherits that: the Ctrl-C tests need it delivered.
+# SIGINT, and under nohup SIGHUP; every child inherits that: the signal tests
+# need them delivered.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 _lock = threading.Lock()
 
