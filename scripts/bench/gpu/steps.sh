@@ -57,7 +57,15 @@ q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm k
   rm -rf "$W/q30-src"
   log doctor; iod doctor --model "$W/q30" --seconds 1 --rounds 2 --plot "$OUT/doctor.png" --json > "$OUT/doctor.json"
   log dd; for f in "$W"/q30/layer010.blob "$W"/q30/layer030.blob; do dd if="$f" of=/dev/null bs=3M iflag=direct 2>&1 | tail -1; done | tee "$OUT/dd.txt"
-  log warm; time timeout ${WARM_S:-240} python3 -m infer.cli run --model "$W/q30" --max-tokens 4 --prompt "Hello" 2>&1 | tail -3
+  # a hang (the device wait at 4e0f1e3) dumps every thread's stack at the limit (warm.txt),
+  # and the kernels are then warmed with the device wait off, so later steps still run
+  log warm; time timeout -s ABRT ${WARM_S:-240} python3 -X faulthandler -m infer.cli run --model "$W/q30" \
+    --max-tokens 4 --prompt "Hello" > "$OUT/warm.txt" 2>&1; rc=$?; tail -3 "$OUT/warm.txt"
+  if [ $rc != 0 ]; then
+    echo "warm-up failed (rc $rc): stacks in warm.txt"; grep -m 30 -E 'File|Thread' "$OUT/warm.txt"
+    log "warm device-wait off"; timeout ${WARM_S:-240} python3 -m infer.cli run --model "$W/q30" --max-tokens 4 \
+      --prompt "Hello" --device-wait off 2>&1 | tail -3
+  fi
   # the kernels it compiled, for `setup` to unpack from .gpu/ptx on a later machine
   tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" . ;;
 q30trace)  # the q30 preset routed as Qwen3-30B-A3B's recorded trace (TRACE, carried in .gpu/traces):
