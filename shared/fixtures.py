@@ -51,9 +51,14 @@ def record_bytes(folder, layout, expert) -> bytes:
 # ---- live daemons for tests -------------------------------------------------------
 
 
+SHORT_DIRS = []  # every short_dir made in this process, for the test session's end to remove
+
+
 def short_dir(prefix="iodt-") -> Path:
     """A fresh 0700 folder with a short path (AF_UNIX paths are limited)."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    SHORT_DIRS.append(folder)
+    return folder
 
 
 class LiveDaemon:

@@ -24,6 +24,17 @@ if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
 _lock = threading.Lock()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The short folders the tests made under /tmp (sockets, run dirs) go
+    with the session, as pytest's own tmp_path folders are kept apart."""
+    import shutil
+
+    from shared.fixtures import SHORT_DIRS
+
+    for folder in SHORT_DIRS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_run_dir(tmp_path_factory):
     """Every test's default run dir is the test session's own: no test sees a
