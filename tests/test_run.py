@@ -301,6 +301,47 @@ def test_daemon_death_stops_session_quickly(prep_model, run_dir):
             proc.send_signal(signal.SIGKILL)
 
 
+def test_a_stopped_shared_daemon_leaves_the_session_to_a_private_one(prep_model, run_dir):
+    """`iod stop` of the shared daemon while a session reads through it:
+    the daemon lets every pin go as it stops, which the session took for
+    pins taken back and said HELLO again to the stopping daemon: "the iod
+    daemon went away", exit 1 (6 runs of 6 by hand, 4 of 5 of this test).
+    It carries on with a private daemon, as after a crash, with an
+    uninterrupted run's tokens."""
+    from shared.fixtures import wait_for
+
+    prep = str(prep_model("qwen3_moe"))
+    args = [sys.executable, "-m", "infer.cli", "run", "--model", prep, "-p", "Hello",
+            "-m", "400", "--ignore-chat-template", "--json"]
+    ref = subprocess.run(args, capture_output=True, text=True, timeout=120)  # a private daemon
+    assert ref.returncode == 0, ref.stderr
+    daemon = LiveDaemon(run_dir, args=["--arena", "1200K"])  # a few slots: reads go on
+
+    def sessions():
+        status = subprocess.run([sys.executable, "-m", "iod.cli", "status", "--json"],
+                                capture_output=True, text=True)
+        return json.loads(status.stdout)["sessions"] if status.returncode == 0 else []
+
+    try:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            # decoding, reads under way (a stop before the session's first pins went well)
+            wait_for(lambda: any(x["demands"] > 100 for x in sessions()) or proc.poll() is not None,
+                     what="the session decoding through the shared daemon")
+            assert daemon.stop() == 0
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+        run = json.loads(out)
+        assert run["tokens"] == json.loads(ref.stdout)["tokens"]
+        assert run["stats"]["daemon_private"]  # the one it went on with
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+
+
 def test_dropped_models_are_collected_without_hanging(prep_model, run_dir):
     """A model dropped without closing its client is garbage-collected: its
     socket and the process-wide ZeroMQ context never block the collector."""

@@ -304,9 +304,13 @@ class IodClient(ExpertSource):
             self._detach()
             try:
                 return self._attach(self.socket, self.daemon_pid)
+            except DaemonDead as e:
+                # a stopping daemon lets every pin go: gone by the HELLO, it
+                # leaves this session to the next daemon, as a crashed one does
+                self._dead = e
             except IodError as e:
-                self._dead = e if isinstance(e, DaemonDead) else DaemonDead(str(e))
-                raise
+                self._dead = DaemonDead(str(e))
+                raise self._dead from None
         dead, old = self._dead, self.daemon_pid
         self._detach()
         if self._private is not None:
