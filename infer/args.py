@@ -166,13 +166,13 @@ def add_device_wait(p):
                         "load), or sync at each router (off)")
 
 
-def add_prefill(p):
+def add_prefill(p, default="layer-major", more=""):
     """--prefill: the order of a long prompt's chunks (infer.runtime.prefill)."""
-    p.add_argument("--prefill", choices=("layer-major", "chunked"), default="layer-major",
+    p.add_argument("--prefill", choices=("layer-major", "chunked"), default=default,
                    help="a prompt longer than a prefill step: its chunks pass each streamed layer "
                         "in turn, so the layer's experts are read once (layer-major), or each chunk "
                         "goes through the whole model before the next, as mlx-lm (chunked); the "
-                        "same ids either way")
+                        "same ids either way" + more)
 
 
 def add_dtype(p):

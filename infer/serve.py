@@ -43,7 +43,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from shared.units import format_size, parse_size
 
-from infer.args import (Parser, add_device_wait, add_dtype, add_sampling, add_version, iod_target, json_object, mx_dtype,
+from infer.args import (Parser, add_device_wait, add_dtype, add_prefill, add_sampling, add_version, iod_target, json_object, mx_dtype,
                    port_int, positive_int)
 from infer.runtime.budget import DEFAULT_CONTEXT, model_config
 from infer.runtime.loader import PrepFolderError, check_prep_folder, load_streaming
@@ -107,6 +107,9 @@ def build_parser():
                    help="prompts prefilled together (1 with --mem-budget)")
     p.add_argument("--prefill-step-size", type=positive_int, default=2048,
                    help="prompt tokens per prefill step (with --mem-budget at most the plan's)")
+    add_prefill(p, default="chunked", more=". layer-major prefills one prompt at a time, each "
+                "whole (mlx-lm takes a chunk a step, between the other requests' decode steps); "
+                "not with --mem-budget or --ranks")
     p.add_argument("--prompt-cache-size", type=positive_int, default=10,
                    help="prompt caches kept for reuse")
     p.add_argument("--ranks", type=positive_int, default=1, metavar="N",
@@ -513,8 +516,9 @@ class StreamingModelProvider(mlx_server.ModelProvider):
     built on mlx-lm's generation thread, the only thread that then uses it.
     """
 
-    def __init__(self, cli_args, source, cache_bytes=None, given=None, capacity=None):
+    def __init__(self, cli_args, source, cache_bytes=None, given=None, capacity=None, layer_step=None):
         super().__init__(cli_args)
+        self.layer_step = layer_step  # --prefill layer-major: the chunks' size
         self.source = source
         self.cache_bytes = cache_bytes
         self.capacity = capacity  # a --mem-budget plan's {layer: experts}
@@ -547,6 +551,10 @@ class StreamingModelProvider(mlx_server.ModelProvider):
             release_page_cache(model_path)  # the weights are in this process's memory now
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
+        if self.cli_args.prefill == "layer-major":
+            from infer.runtime.prefill import layer_major_calls
+
+            layer_major_calls(model, store, self.layer_step)
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.processor = None
@@ -919,6 +927,10 @@ def _main(argv=None) -> int:
         if args.ranks > 1 or distributed.launched():
             distributed.check_pipelined(args.model, args.ranks)
         limits = make_limits(args)
+        if args.prefill == "layer-major" and (args.mem_budget is not None or args.ranks > 1):
+            # (a layer's experts kept for the chunks behind are more than a memory
+            # plan's prefill step counts; over ranks a prompt goes chunk by chunk)
+            raise ValueError("--prefill layer-major works without --mem-budget and --ranks")
     except (PrepFolderError, ValueError) as e:
         print(f"infer serve: {e}", file=sys.stderr)
         return 2
@@ -969,10 +981,16 @@ def _main(argv=None) -> int:
         raise
 
     cli_args = argparse.Namespace(**vars(args), **_FIXED)
+    if args.prefill == "layer-major":
+        # mlx-lm hands the model each prompt whole, one at a time; the model
+        # cuts it in --prefill-step-size chunks, layer-major (StreamingModelProvider)
+        cli_args.prefill_step_size = max(limits.context, args.prefill_step_size)
+        cli_args.prompt_concurrency = 1
     cli_args.model = model
     cli_args.allowed_origins = list(limits.origins)
     cli_args.pipeline = g is not None  # mlx-lm's provider: a pipeline group, not tensor parallel
-    provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model, capacity=capacity)
+    provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model, capacity=capacity,
+                                      layer_step=args.prefill_step_size)
     if g is not None:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, _exit_rank(source))

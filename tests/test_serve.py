@@ -356,3 +356,43 @@ def test_a_daemon_restarted_at_the_socket_is_reattached(prep_model, reference):
             if d is not None and d.proc.poll() is None:
                 d.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_layer_major_prefill_gives_mlx_lms_answer_and_reads_less(synth_model, prep_model):
+    """`--prefill layer-major`: a prompt of 19 chunks of 8 tokens passes each
+    streamed layer chunk after chunk, and the answer is mlx-lm's with the
+    same chunks (the model held whole); the daemon, whose arena holds a
+    third of the records, reads less from the disk than for `chunked`."""
+    prompt = " ".join(["Write a list of colors: red, green, blue, and then more of them"] * 6)
+    model, tokenizer = mlx_load(str(synth_model("qwen3_moe")))
+    want = mlx_generate(model, tokenizer, tokenizer.encode(prompt), max_tokens=N, prefill_step_size=8)
+    read = {}
+    for mode in ("chunked", "layer-major"):
+        folder = short_dir("iodl-")
+        env = dict(os.environ, IOD_RUN_DIR=str(folder))
+        daemon = LiveDaemon(folder, args=["--arena", "1792K", "--slot-size", "16K"], env=env)  # 48 slots
+        proc = None
+        try:
+            proc, hostport = start_server(prep_model("qwen3_moe"), daemon.socket, env, "--dtype", "float32",
+                                          "--prefill", mode, "--prefill-step-size", "8")
+            client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
+                                   max_retries=0)
+            r = client.completions.create(model="default_model", prompt=prompt, max_tokens=N, temperature=0)
+            assert r.usage.prompt_tokens > 8 * 18
+            assert r.choices[0].text == want, mode
+            read[mode] = daemon_stats(daemon)["counters"]["bytes_read"]
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+            daemon.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+    assert read["layer-major"] < 0.8 * read["chunked"], read
+
+
+def test_layer_major_prefill_is_refused_with_a_memory_plan_or_ranks(prep_model):
+    for extra in (["--mem-budget", "200M"], ["--ranks", "2"]):
+        r = subprocess.run([sys.executable, "-m", "infer.cli", "serve", "--model", str(prep_model("qwen3_moe")),
+                            "--prefill", "layer-major", *extra], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "infer serve: --prefill layer-major works without --mem-budget and --ranks"], r.stderr

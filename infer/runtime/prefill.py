@@ -73,6 +73,39 @@ def prefill(model, store, prompt, cache, step=2048):
     return prompt[parts[-1][1]:] if parts else prompt
 
 
+def spans(n_tokens, step):
+    """[(start, end)] of ``n_tokens`` in calls of ``step``, as mlx-lm's batch
+    generator cuts what it prefills (every token: its caller keeps the last)."""
+    return [(a, min(a + step, n_tokens)) for a in range(0, n_tokens, step)]
+
+
+class _LayerMajorCalls:
+    """A model whose calls of one row longer than ``_step`` tokens, on a
+    cache of every layer, run as ``_step``-token chunks, layer-major; its
+    output is theirs, joined (a prefill's, which nobody reads, stays lazy)."""
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        store = self._store
+        if (kwargs or cache is None or inputs.ndim != 2 or inputs.shape[0] != 1
+                or inputs.shape[1] <= self._step or store.lockstep is not None
+                or len(cache) != len(self.layers) or group() is not None):
+            return super().__call__(inputs, cache=cache, **kwargs)
+        run = Lockstep(self, store, [inputs[0, a:b] for a, b in spans(inputs.shape[1], self._step)], cache)
+        run.run()
+        return mx.concatenate(run.outputs, axis=1)
+
+
+def layer_major_calls(model, store, step):
+    """Make ``model`` (its instance: a subclass of its class) prefill a call
+    of more than ``step`` tokens layer-major, in mlx-lm's chunks of ``step``:
+    for a caller that hands the model a whole prompt at once (``infer
+    serve``, whose mlx-lm batch generator then takes a prompt in one call)."""
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (_LayerMajorCalls, cls), {})
+    model._store, model._step = store, step
+    return model
+
+
 class Lockstep:
     """The chunks of one prefill, run in layer order (``prefill``)."""
 
@@ -85,6 +118,7 @@ class Lockstep:
         self.at = [-1] * n  # the layer of each chunk's latest streamed call
         self.done = [False] * n
         self.glets = [None] * n  # each chunk's greenlet, once started
+        self.outputs = [None] * n  # each chunk's output (lazy)
         self.current = None
         self.left = {}  # layer -> chunks still to pass it, while its experts are kept
 
@@ -134,7 +168,7 @@ class Lockstep:
         return True
 
     def _chunk(self, c):
-        self.model(self.parts[c][None], cache=self.lists[c])
+        self.outputs[c] = self.model(self.parts[c][None], cache=self.lists[c])
 
     def arrive(self, layer):
         """A chunk's streamed call of ``layer`` is about to route: the chunk
