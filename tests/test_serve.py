@@ -358,13 +358,18 @@ def test_a_daemon_restarted_at_the_socket_is_reattached(prep_model, reference):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_layer_major_prefill_gives_mlx_lms_answer_and_reads_less(synth_model, prep_model):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_layer_major_prefill_gives_mlx_lms_answer_and_reads_less(synth_model, prep_model, arch):
     """`--prefill layer-major`: a prompt of 19 chunks of 8 tokens passes each
     streamed layer chunk after chunk, and the answer is mlx-lm's with the
     same chunks (the model held whole); the daemon, whose arena holds a
-    third of the records, reads less from the disk than for `chunked`."""
+    third of the records, reads less from the disk than for `chunked`.
+    qwen3_next makes its mask from its first full-attention layer's cache,
+    the last of the tiny model's four: a chunk starts only once the one
+    ahead has reached the last layer, so its reads are not compared here
+    (tests/test_prefill.py compares a session's reads on every architecture)."""
     prompt = " ".join(["Write a list of colors: red, green, blue, and then more of them"] * 6)
-    model, tokenizer = mlx_load(str(synth_model("qwen3_moe")))
+    model, tokenizer = mlx_load(str(synth_model(arch)))
     want = mlx_generate(model, tokenizer, tokenizer.encode(prompt), max_tokens=N, prefill_step_size=8)
     read = {}
     for mode in ("chunked", "layer-major"):
@@ -373,7 +378,7 @@ def test_layer_major_prefill_gives_mlx_lms_answer_and_reads_less(synth_model, pr
         daemon = LiveDaemon(folder, args=["--arena", "1792K", "--slot-size", "16K"], env=env)  # 48 slots
         proc = None
         try:
-            proc, hostport = start_server(prep_model("qwen3_moe"), daemon.socket, env, "--dtype", "float32",
+            proc, hostport = start_server(prep_model(arch), daemon.socket, env, "--dtype", "float32",
                                           "--prefill", mode, "--prefill-step-size", "8")
             client = openai.OpenAI(base_url=f"http://{hostport}/v1", api_key="none", timeout=120,
                                    max_retries=0)
@@ -387,7 +392,8 @@ def test_layer_major_prefill_gives_mlx_lms_answer_and_reads_less(synth_model, pr
                 proc.wait()
             daemon.stop()
             shutil.rmtree(folder, ignore_errors=True)
-    assert read["layer-major"] < 0.8 * read["chunked"], read
+    if arch == "qwen3_moe":
+        assert read["layer-major"] < 0.8 * read["chunked"], read
 
 
 def test_layer_major_prefill_is_refused_with_a_memory_plan_or_ranks(prep_model):
