@@ -217,6 +217,39 @@ def test_restart_brings_the_daemon_back_with_its_options(model):
         d.close()
 
 
+@pytest.mark.parametrize("iod", ["socket", "auto"])
+def test_a_live_session_goes_on_with_the_daemon_iod_restart_starts(synth_model, prep_model, iod):
+    """`iod restart` while a session generates: the session waits (at most
+    client.RESTART_WAIT_S) for the next daemon at the socket and goes on
+    there, token for token. Before, `--iod SOCKET` exited 1 ("the iod
+    daemon went away": nothing answered yet) and `--iod auto` went on with
+    a private daemon of its own."""
+    src, prep = synth_model("qwen3_moe"), prep_model("qwen3_moe")
+    n = 120
+    want = mlx_greedy_ids(src, n)
+    d = Detached("--arena", "2M", "--workers", "2")  # smaller than the model: the session keeps asking
+    gen = None
+    try:
+        gen = infer_run(d.socket if iod == "socket" else "auto", prep, "-m", n, "--json",
+                        "--mem-budget", shared_budget(prep, n), env=dict(os.environ, IOD_RUN_DIR=str(d.folder)))
+        wait_for(lambda: any(s["pid"] == gen.pid and s["demands"] > 0
+                             for s in stats(d.socket)["sessions"]), 60, "the session generating")
+        p, _ = cli("restart", "--socket", d.socket)
+        assert p.returncode == 0, p.stderr
+        second = d.lock_pid()
+        out, err = gen.communicate(timeout=180)
+        assert gen.returncode == 0, err
+        run = json.loads(out)
+        assert run["tokens"] == want
+        assert (run["stats"]["daemon_pid"], run["stats"]["daemon_private"]) == (second, False)
+        assert not any(s["pid"] == gen.pid for s in stats(d.socket)["sessions"])  # it said BYE
+        d.pid = second
+    finally:
+        if gen is not None and gen.poll() is None:
+            gen.kill()
+        d.close()
+
+
 def test_restart_and_drain_usage():
     folder = short_dir("iodl-")
     try:

@@ -38,6 +38,10 @@ from shared.launch import ensure_run_dir, lock_holder, pid_alive, spawn
 from shared.source import ExpertSource, SourceError
 
 E = P.ErrorCode
+# a daemon stopped at a socket may be started again there (`iod restart`):
+# a session waits this long for it before it gives up (--iod SOCKET) or,
+# after a shared daemon's orderly stop, starts a private one (--iod auto)
+RESTART_WAIT_S = 2.5
 
 
 class IodError(SourceError):
@@ -104,6 +108,7 @@ class IodClient(ExpertSource):
         self._mm = self._pins_mm = None
         self._pidfd = None
         self._dead = None
+        self._shut_down = False  # the daemon said it stops (SHUTDOWN)
         self.daemon_pid = 0
         self.session_id = 0
         me = weakref.ref(self)  # atexit must not keep the client (and its mapping) alive
@@ -157,6 +162,7 @@ class IodClient(ExpertSource):
         # a fresh connection: a failed attach before it (an unanswered HELLO
         # to the shared daemon) must not fail this one with its sticky error
         self._dead = None
+        self._shut_down = False
         self.socket = sock
         self.daemon_pid = pid if pid > 0 else 0
         self._watch(self.daemon_pid)
@@ -299,22 +305,29 @@ class IodClient(ExpertSource):
         and say HELLO again, with the manifest hash this session loaded (a
         changed prep folder is refused: MODEL_CHANGED). DaemonDead if none.
         After PinsExpired: BYE, and HELLO again to the same daemon."""
+        stopping = self._shut_down
         if self._dead is None and self._sock is not None and self._expired():
             self._bye()
-            self._detach()
-            try:
-                return self._attach(self.socket, self.daemon_pid)
-            except DaemonDead as e:
-                # a stopping daemon lets every pin go: gone by the HELLO, it
-                # leaves this session to the next daemon, as a crashed one does
-                self._dead = e
-            except IodError as e:
-                self._dead = DaemonDead(str(e))
-                raise self._dead from None
+            # a stopping daemon lets every pin go: said (its SHUTDOWN, read
+            # during the BYE) or gone by the HELLO, it leaves this session
+            # to the next daemon, as a crashed one does
+            stopping = stopping or self._shut_down
+            if not stopping:
+                self._detach()
+                try:
+                    return self._attach(self.socket, self.daemon_pid)
+                except DaemonDead as e:
+                    self._dead = e
+                except IodError as e:
+                    self._dead = DaemonDead(str(e))
+                    raise self._dead from None
         dead, old = self._dead, self.daemon_pid
+        shared = self._private is None
         self._detach()
         if self._private is not None:
             self._stop_private()
+        if self.iod != "auto" or (shared and stopping):
+            _await_restart(Path(self.iod) if self.iod != "auto" else paths.socket_path(), old)
         if self.iod != "auto" and old > 0 and _lock_pid(Path(self.iod)) == old:
             # the same daemon holds the socket, not a restarted one: a loop
             # that stood still (stopped, wedged) would not answer a HELLO either
@@ -462,6 +475,7 @@ class IodClient(ExpertSource):
             if isinstance(msg, P.Shutdown):
                 self._dead = DaemonDead(f"iod daemon (pid {self.daemon_pid}) shut down: "
                                         f"{msg.reason}")
+                self._shut_down = True
             elif getattr(msg, "req_id", None) in self._awaiting:
                 self._replies[msg.req_id] = msg  # anything else: a hint's error, a late reply
 
@@ -550,6 +564,21 @@ def _map_segment(name, write):
         return mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
+
+
+def _await_restart(sock: Path, old: int) -> None:
+    """Wait, at most RESTART_WAIT_S, for a daemon other than ``old`` to
+    listen at ``sock``: one restarted there (``iod restart``)."""
+    end = time.monotonic() + RESTART_WAIT_S
+    while time.monotonic() < end:
+        pid = _lock_pid(sock)
+        if pid > 0 and pid != old:
+            try:
+                if trust.check_daemon(sock):
+                    return
+            except (trust.Untrusted, OSError):
+                return  # (the connect says why)
+        time.sleep(0.05)
 
 
 def _lock_pid(sock: Path) -> int:
