@@ -4,6 +4,8 @@ nothing (a count out of range, NaN, a negative rate) is one line and exit 2."""
 import argparse
 import math
 
+from shared import units
+
 
 def count(low: int, high: int = None, zero: str = ""):
     """An integer from ``low`` to ``high``; ``zero``, when given, says what 0
@@ -40,3 +42,14 @@ def number(what: str, positive: bool = False, finite: bool = True):
         return v
 
     return parse
+
+
+def size(text: str) -> int:
+    """ "2G", "512M", "64k", "1048576" -> bytes, more than 0."""
+    try:  # shared.units refuses inf, nan and overflow too
+        n = units.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n

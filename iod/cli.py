@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from shared import paths, trust, units
+from shared import paths, trust
 from shared.launch import lock_holder, spawn
 
 from . import doctor, runtime
-from .argtypes import count, number
+from .argtypes import count, number, size
 
 MB_RATE = number("a finite number of MB/s, or 0 for no cap")
 SECONDS = number("seconds, 0 or more", finite=False)
@@ -27,17 +27,6 @@ MAX_THREADS = 256  # --workers, --hashers: far past any disk's useful queue dept
 # descriptors the daemon needs at the least: ~20 of its own (pipes, libzmq's),
 # one per MoE layer of each open model, a connection and a pidfd per session
 FD_MIN = 64
-
-
-def parse_size(text: str) -> int:
-    """ "2G", "512M", "64k", "1048576" -> bytes."""
-    try:  # shared.units refuses inf, nan and overflow too
-        n = units.parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return n
 
 
 def _version():
@@ -80,11 +69,11 @@ def _parser():
                         formatter_class=fmt)
     st.add_argument("--socket", type=Path, default=paths.socket_path(),
                     help="socket path (lock, arena.name and log live beside it)")
-    st.add_argument("--arena", type=parse_size, default="512M",
+    st.add_argument("--arena", type=size, default="512M",
                     help=f"arena size, e.g. 2G: at least {runtime.MIN_ARENA >> 10} KiB, at most "
                          f"{runtime.ARENA_SHARE * 100:.0f}%% of physical memory and of /dev/shm's "
                          f"free space; committed at start")
-    st.add_argument("--slot-size", type=parse_size, default=0,
+    st.add_argument("--slot-size", type=size, default=0,
                     help="slot size (0: the first model's largest record stride)")
     st.add_argument("--workers", type=count(1, MAX_THREADS, "auto"), default=0,
                     help=f"reader threads, at most {MAX_THREADS} (0: the depth `iod doctor` "

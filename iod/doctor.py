@@ -25,7 +25,7 @@ from pathlib import Path
 
 from shared import disk, paths
 
-from .argtypes import count, number
+from .argtypes import count, number, size
 
 DEPTHS = (1, 2, 4, 8, 16, 32)
 MAX_DEPTH = 256
@@ -42,16 +42,21 @@ def _depths(text: str) -> list:
     return depths
 
 
+def _record_size(text):
+    return 0 if text.strip() == "0" else size(text)
+
+
 def add_parser(sub, fmt):
     d = sub.add_parser("doctor", help="measure the disk as iod reads it (rate against queue depth)",
                        formatter_class=fmt, description=__doc__.split("\n\n")[0])
     where = d.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", type=Path, help="a prep folder: read its expert records")
     where.add_argument("--dir", type=Path, help="write a scratch file here and read it")
-    d.add_argument("--record-size", type=count(1, zero="the default"), default=0,
-                   help="bytes per read (0: the model's record stride; 2654208 with --dir)")
-    d.add_argument("--scratch", type=count(1), default=2 << 30,
-                   help="bytes of the scratch file (--dir), larger than the device's cache")
+    d.add_argument("--record-size", type=_record_size, default=0,
+                   help="bytes per read, e.g. 2654208 or 2.5M (0: the model's record stride; "
+                        "2654208 with --dir)")
+    d.add_argument("--scratch", type=size, default=2 << 30,
+                   help="bytes of the scratch file (--dir), e.g. 4G, larger than the device's cache")
     d.add_argument("--depths", type=_depths, default=",".join(map(str, DEPTHS)),
                    help="queue depths to measure")
     d.add_argument("--seconds", type=number("a finite number above 0", positive=True), default=2.0,

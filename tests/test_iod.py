@@ -295,7 +295,7 @@ def test_stop_lets_reads_in_flight_finish(model):
 def test_parse_size():
     import argparse
 
-    from iod.cli import parse_size
+    from iod.argtypes import size as parse_size
 
     assert parse_size("2G") == 2 << 30 and parse_size("512M") == 512 << 20
     assert parse_size("64k") == 64 << 10 and parse_size("1048576") == 1 << 20

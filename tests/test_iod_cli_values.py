@@ -45,7 +45,7 @@ def test_what_zero_means_is_kept():
 
 
 def test_parse_size_refuses_inf_nan_and_overflow():
-    from iod.cli import parse_size
+    from iod.argtypes import size as parse_size
 
     for bad in ("inf", "infG", "-inf", "nan", "nanG", "1e400", "1e300G"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -53,3 +53,16 @@ def test_parse_size_refuses_inf_nan_and_overflow():
         with pytest.raises(ValueError, match="not a size"):
             units_parse_size(bad)
     assert units_parse_size("1.5GiB") == 3 << 29 and units_parse_size("0") == 0
+
+
+def test_doctor_takes_sizes_as_iod_start_does():
+    """`--scratch` and `--record-size` take "64M" as `--arena` does (they took
+    plain integers only); 0 is the default record size, not a size of 0."""
+    from iod.cli import _parser
+
+    a = _parser().parse_args(["doctor", "--dir", "/tmp", "--scratch", "64M", "--record-size", "2.5M"])
+    assert (a.scratch, a.record_size) == (64 << 20, int(2.5 * (1 << 20)))
+    assert _parser().parse_args(["doctor", "--dir", "/tmp", "--record-size", "0"]).record_size == 0
+    for bad in (["--scratch", "0"], ["--scratch", "lots"], ["--record-size", "-1M"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["doctor", "--dir", "/tmp", *bad])
