@@ -90,7 +90,8 @@ class _LayerMajorCalls:
                 or inputs.shape[1] <= self._step or store.lockstep is not None
                 or len(cache) != len(self.layers) or group() is not None):
             return super().__call__(inputs, cache=cache, **kwargs)
-        run = Lockstep(self, store, [inputs[0, a:b] for a, b in spans(inputs.shape[1], self._step)], cache)
+        parts = [inputs[0, a:b] for a, b in spans(inputs.shape[1], self._step)]
+        run = Lockstep(self, store, parts, cache, outputs=True)
         run.run()
         return mx.concatenate(run.outputs, axis=1)
 
@@ -109,7 +110,7 @@ def layer_major_calls(model, store, step):
 class Lockstep:
     """The chunks of one prefill, run in layer order (``prefill``)."""
 
-    def __init__(self, model, store, parts, cache):
+    def __init__(self, model, store, parts, cache, outputs=False):
         self.model, self.store, self.parts, self.cache = model, store, parts, cache
         n = len(parts)
         # each chunk's cache list: the real entries where the chunk ahead has
@@ -118,7 +119,7 @@ class Lockstep:
         self.at = [-1] * n  # the layer of each chunk's latest streamed call
         self.done = [False] * n
         self.glets = [None] * n  # each chunk's greenlet, once started
-        self.outputs = [None] * n  # each chunk's output (lazy)
+        self.outputs = [None] * n if outputs else None  # each chunk's output (lazy), if kept
         self.current = None
         self.left = {}  # layer -> chunks still to pass it, while its experts are kept
 
@@ -168,7 +169,9 @@ class Lockstep:
         return True
 
     def _chunk(self, c):
-        self.outputs[c] = self.model(self.parts[c][None], cache=self.lists[c])
+        y = self.model(self.parts[c][None], cache=self.lists[c])
+        if self.outputs is not None:
+            self.outputs[c] = y
 
     def arrive(self, layer):
         """A chunk's streamed call of ``layer`` is about to route: the chunk
