@@ -518,7 +518,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
 
     def __init__(self, cli_args, source, cache_bytes=None, given=None, capacity=None, layer_step=None):
         super().__init__(cli_args)
-        self.layer_step = layer_step  # --prefill layer-major: the chunks' size
+        self.layer_step = layer_step  # --prefill layer-major: the chunks' size (else None)
         self.source = source
         self.cache_bytes = cache_bytes
         self.capacity = capacity  # a --mem-budget plan's {layer: experts}
@@ -551,7 +551,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
             release_page_cache(model_path)  # the weights are in this process's memory now
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        if self.cli_args.prefill == "layer-major":
+        if self.layer_step is not None:
             from infer.runtime.prefill import layer_major_calls
 
             layer_major_calls(model, store, self.layer_step)
@@ -981,16 +981,18 @@ def _main(argv=None) -> int:
         raise
 
     cli_args = argparse.Namespace(**vars(args), **_FIXED)
+    layer_step = None
     if args.prefill == "layer-major":
         # mlx-lm hands the model each prompt whole, one at a time; the model
         # cuts it in --prefill-step-size chunks, layer-major (StreamingModelProvider)
+        layer_step = args.prefill_step_size
         cli_args.prefill_step_size = max(limits.context, args.prefill_step_size)
         cli_args.prompt_concurrency = 1
     cli_args.model = model
     cli_args.allowed_origins = list(limits.origins)
     cli_args.pipeline = g is not None  # mlx-lm's provider: a pipeline group, not tensor parallel
     provider = StreamingModelProvider(cli_args, source, cache_bytes, given=args.model, capacity=capacity,
-                                      layer_step=args.prefill_step_size)
+                                      layer_step=layer_step)
     if g is not None:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, _exit_rank(source))

@@ -111,7 +111,7 @@ class Shell:
             self.poller.register(s, zmq.POLLIN)
         if self.parent_fd is not None:
             self.poller.register(self.parent_fd, zmq.POLLIN)
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for s in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(s, self._on_signal)
         if self.parent_fd is not None:
             # a private daemon follows its parent, through the pipe: a terminal's
@@ -119,8 +119,10 @@ class Shell:
             # first made its parent report "daemon went away" instead of the signal
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        elif signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # not under nohup
-            signal.signal(signal.SIGHUP, self._on_signal)  # its terminal closed: stop cleanly
+        else:
+            signal.signal(signal.SIGINT, self._on_signal)
+            if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:  # not under nohup
+                signal.signal(signal.SIGHUP, self._on_signal)  # its terminal closed: stop cleanly
         signal.signal(signal.SIGPIPE, signal.SIG_IGN) if hasattr(signal, "SIGPIPE") else None
 
     def _on_signal(self, signum, frame):

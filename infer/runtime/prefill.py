@@ -47,12 +47,13 @@ class _Guard:
 def chunks(n_tokens, step):
     """mlx-lm's prefill chunks of a prompt of ``n_tokens`` (generate_step):
     [(start, end)] of every token but the last, which the first decode step takes."""
-    out, done = [], 0
-    while n_tokens - done > 1:
-        n = min(step, n_tokens - done - 1)
-        out.append((done, done + n))
-        done += n
-    return out
+    return spans(n_tokens - 1, step)
+
+
+def spans(n_tokens, step):
+    """[(start, end)] of ``n_tokens`` in calls of ``step``, as mlx-lm's batch
+    generator cuts what it prefills (every token: its caller keeps the last)."""
+    return [(a, min(a + step, n_tokens)) for a in range(0, n_tokens, step)]
 
 
 def prefill(model, store, prompt, cache, step=2048):
@@ -71,12 +72,6 @@ def prefill(model, store, prompt, cache, step=2048):
             mx.eval([c.state for c in cache])
             mx.clear_cache()
     return prompt[parts[-1][1]:] if parts else prompt
-
-
-def spans(n_tokens, step):
-    """[(start, end)] of ``n_tokens`` in calls of ``step``, as mlx-lm's batch
-    generator cuts what it prefills (every token: its caller keeps the last)."""
-    return [(a, min(a + step, n_tokens)) for a in range(0, n_tokens, step)]
 
 
 class _LayerMajorCalls:
