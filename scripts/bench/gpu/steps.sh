@@ -89,8 +89,11 @@ dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `
   for b in ${*:-0.5 0.25 0.1}; do
     for dw in ${DW:-auto off auto off}; do
       log "bench $b device-wait $dw"
-      timeout ${BENCH_S:-120} python3 -m infer.tools.bench --model "${MODEL:-$W/q30}" --budget "$b" --runs 1 --max-tokens 24 \
-        --modes ${MODES:-iod} --device-wait $dw $tr --json "$OUT/dwait-$b-$dw-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|sync|runs|decode speed|infer bench: )"
+      # (a hang leaves every thread's stack in the log: ABRT, faulthandler)
+      log=$OUT/dwait-$b-$dw-$(date +%s)
+      timeout -s ABRT ${BENCH_S:-120} python3 -X faulthandler -m infer.tools.bench --model "${MODEL:-$W/q30}" --budget "$b" \
+        --runs 1 --max-tokens 24 --modes ${MODES:-iod} --device-wait $dw $tr --json "$log.json" > "$log.txt" 2>&1
+      grep -E "^(iod|resident|sync|runs|decode speed|infer bench: )" "$log.txt"
     done
   done ;;
 prefill)  # issue 48's prefill target (after `q30`): a long prompt (the corpus's first PROMPT_CHARS
