@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from infer.runtime import predict
+from infer.runtime.prefetch import DECODE_ROWS
 
 from infer.tools import routing
 from infer.runtime.streaming import MISS_KINDS
@@ -111,12 +112,12 @@ def test_calibrated_predictors_beat_the_router(arch, calibrated, trained_model, 
 
 def record_source_calls(store):
     """Log the store's streamed calls and its source's hints and fetches:
-    ("call", layer), ("hint", [(layer, calls ahead)]), ("fetch", layer)."""
+    ("call", (layer, rows)), ("hint", [(layer, calls ahead)]), ("fetch", layer)."""
     log, source = [], store.source
     begin, hint, fetch = store.prefetcher.begin_call, source.prefetch_many, source.fetch_into
 
     def begin_call(layer, rows):
-        log.append(("call", layer))
+        log.append(("call", (layer, rows)))
         return begin(layer, rows)
 
     def prefetch_many(hints):
@@ -132,7 +133,7 @@ def record_source_calls(store):
 
 
 def split_calls(log):
-    """[(layer, entries of its call)] from record_source_calls' log."""
+    """[((layer, rows), entries of its call)] from record_source_calls' log."""
     calls = []
     for kind, arg in log:
         if kind == "call":
@@ -170,12 +171,18 @@ def test_greedy_unchanged_with_prediction_and_prefetch(arch, calibrated, trained
         assert store.stats["prefetch_used"] + store.stats["prefetch_unused"] <= store.stats["prefetched"]
         split = sum(store.stats["miss_" + k] for k in MISS_KINDS)
         assert 0 < split <= store.stats["misses"]
-        # a call that waits for misses hints the next layers' guesses before
-        # it demands them, never after; with hits-first (this CPU) its misses
-        # go in the same message
+        # a decode call that waits for misses hints the next layers' guesses
+        # before it demands them, never after; with hits-first (this CPU) its
+        # misses go in the same message. The prefill's calls hint the next
+        # layer once they have their own experts
         calls, early, merged = split_calls(log), 0, 0
-        for layer, entries in calls:
-            if ("fetch", layer) in entries:
+        last = max(layer for (layer, _), _ in calls)
+        for (layer, rows), entries in calls:
+            if rows > DECODE_ROWS:
+                at = entries.index(("fetch", layer))
+                after = [arg for kind, arg in entries[at:] if kind == "hint"]
+                assert after == ([[(layer + 1, 1)]] if layer < last else []), entries
+            elif ("fetch", layer) in entries:
                 at = entries.index(("fetch", layer))
                 assert not any(kind == "hint" and any(l > layer for l, _ in arg)
                                for kind, arg in entries[at:]), entries
@@ -267,18 +274,28 @@ def test_a_calls_guesses_go_in_one_message(calibrated):
             assert (layer, e) in reading or source._is_ready(layer, e)
 
 
-def test_verify_passes_are_prefetched_and_prefills_are_not(calibrated):
+def test_verify_passes_are_planned_and_a_prefill_reads_its_next_layer(calibrated):
     """A verify pass of 4 tokens guesses 32 distinct experts (more than twice
-    a token's 8): still decode-sized, so its guesses are read ahead; a
-    32-token prefill's guesses are scored, not read."""
+    a token's 8): still decode-sized, so its guesses are planned and read
+    ahead. A 32-token prefill's guesses for the next layer are read, every
+    one not cached or hinted, unplanned (it computes while they are read);
+    its guesses for the layers after are scored, not read."""
     with quarter_store(calibrated("qwen3_moe")) as (store, source):
         verify = mx.arange(32).reshape(1, 4, 8)
         store.prefetcher.prefetch([(1, 1, verify, None, 8)])
         assert store.stats["prefetched"] == 32
         prefill = mx.arange(32 * 8).reshape(1, 32, 8) % 64
-        store.prefetcher.prefetch([(2, 1, prefill, None, 8)])
-        assert store.stats["prefetched"] == 32
+        cached = store.stack(2)
+        cached.assign([7], {7})
+        store.prefetcher.prefetch([(2, 1, prefill, None, 8), (3, 2, prefill, None, 8)])
+        assert store.prefetcher._hinted[2] == set(range(64)) - {7}
+        assert 3 not in store.prefetcher._hinted
+        assert store.stats["prefetched"] == 32 + 63
         assert store.prefetcher._predicted[2][1] == (set(range(64)), False)
+        assert store.prefetcher._predicted[3][2] == (set(range(64)), False)
+        # the next call's wanted experts were hinted: used, none unused
+        store.gather(2, np.arange(64))
+        assert store.stats["prefetch_unused"] == 0
 
 
 def test_plan_reads_what_fits_in_time():
