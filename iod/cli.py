@@ -76,8 +76,9 @@ def _parser():
     st.add_argument("--slot-size", type=size, default=0,
                     help="slot size (0: the first model's largest record stride)")
     st.add_argument("--workers", type=count(1, MAX_THREADS, "auto"), default=0,
-                    help=f"reader threads, at most {MAX_THREADS} (0: the depth `iod doctor` "
-                         f"found reaches the disk's ceiling, else 4)")
+                    help=f"reads in flight for prefetch, at most {MAX_THREADS} (0: the depth `iod doctor` "
+                         f"found reaches the disk's ceiling, else 4); demands read beside them, "
+                         f"on twice as many reader threads")
     st.add_argument("--hashers", type=count(0, MAX_THREADS), default=2,
                     help=f"checksum threads, at most {MAX_THREADS}, so readers go straight to "
                          f"the next read (0: each reader checks its own reads)")
@@ -203,7 +204,7 @@ def start_foreground(args, sock: Path) -> int:
     except OSError as e:
         print(f"iod: cannot record the start options: {e}", file=sys.stderr)
     print(f"iod: ready (pid {os.getpid()}, socket {sock}, arena {daemon.shm_name} "
-          f"{args.arena >> 20} MiB, {cfg.workers} workers)", file=sys.stderr, flush=True)
+          f"{args.arena >> 20} MiB, {cfg.workers} workers, {cfg.readers} reader threads)", file=sys.stderr, flush=True)
     _say(ready_fd, f"READY {os.getpid()}")
     if ready_fd is not None:
         os.close(ready_fd)

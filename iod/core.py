@@ -39,7 +39,7 @@ E = P.ErrorCode
 class Config:
     arena_size: int = 512 << 20
     slot_size: int = 0  # 0: the first model's largest record stride
-    workers: int = 4  # reads in flight: twice this, so a reader never waits for us
+    workers: int = 4  # reads the disk wants in flight; prefetches fill at most this many
     max_sessions: int = 64
     max_queued: int = 8192  # per session: records it awaits
     max_prefetch: int = 1024  # per session: queued prefetches
@@ -47,6 +47,15 @@ class Config:
     # a session holding more than its share that says nothing and is granted
     # nothing for this long, while a read waits for a slot, loses its pins
     pin_timeout_s: float = 5.0
+
+    @property
+    def readers(self) -> int:
+        """Reader threads: one per read the core hands over (2 x workers), so
+        each starts at once and, prefetches filling at most half, a demand
+        always finds a reader free. With as many threads as workers, a disk
+        whose ceiling comes at depth 1 got one thread (an H100's, 2026-12-07),
+        and every demand waited behind the prefetch being read."""
+        return 2 * self.workers
 
 
 class Failure(Exception):
@@ -466,8 +475,8 @@ class Core:
         """Start queued reads while workers and slots are free."""
         self.blocked = False
         while self.inflight < 2 * self.cfg.workers and not self.stopping:
-            # prefetches fill at most half the reads in flight, so a demand that
-            # comes finds a free reader as soon as one read ends
+            # prefetches fill at most half the reads in flight (a reader each:
+            # Config.readers), so a demand that comes finds a free reader
             nxt = self.sched.next(None if self.prefetching < self.cfg.workers else DEMAND)
             if nxt is None:
                 return
@@ -607,6 +616,7 @@ class Core:
             "version": P.PROTOCOL_VERSION,
             "uptime_s": round(time.time() - self.started, 3),
             "workers": self.cfg.workers,
+            "readers": self.cfg.readers,
             "pin_timeout_s": pin_timeout if pin_timeout < float("inf") else None,  # JSON has no inf
             "share": self.share() if a.laid_out else 0,
             "draining": self.draining,

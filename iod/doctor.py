@@ -277,7 +277,8 @@ def main(args) -> int:
         where = disk.save(profile)
         whose = " under this IOD_RUN_DIR" if os.environ.get("IOD_RUN_DIR") and \
             not os.environ.get("IOD_DISK_PROFILE") else ""
-        print(f"stored in {where}: iod{whose} reads with {disk.workers()} threads from its next start",
+        print(f"stored in {where}: iod{whose} prefetches {disk.workers()} at a time from its next start, "
+              f"demands beside them",
               file=sys.stderr)
     if args.plot:
         try:

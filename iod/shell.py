@@ -81,7 +81,7 @@ class Shell:
         self.sig_r, self.sig_w = os.pipe()
         for fd in (self.wake_r, self.wake_w, self.sig_r, self.sig_w):
             os.set_blocking(fd, False)
-        self.pool = reader_mod.ReaderPool(cfg.workers, self.wake_w, self.read_rate, self.faults,
+        self.pool = reader_mod.ReaderPool(cfg.readers, self.wake_w, self.read_rate, self.faults,
                                           self.hashers)
         self.core = Core(cfg, self.arena, self.pool, self.faults)
         self.core.info = {"socket": str(self.socket), "read_rate_limit_MBps": self.read_rate / 1e6,

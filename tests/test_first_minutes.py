@@ -130,7 +130,7 @@ def test_doctor_under_a_run_dir_sets_that_run_dirs_daemon_only(tmp_path):
         assert r.returncode == 0, r.stderr
         knee = json.loads(r.stdout)["knee_depth"]
         assert (mine / "disk.json").is_file() and not (tmp_path / "cache").exists()
-        assert f"stored in {mine / 'disk.json'}: iod under this IOD_RUN_DIR reads with {knee} threads" \
+        assert f"stored in {mine / 'disk.json'}: iod under this IOD_RUN_DIR prefetches {knee} at a time" \
             in r.stderr, r.stderr
         for folder, workers in ((mine, knee), (other, 4)):  # 4: the default, no profile
             d = LiveDaemon(folder=folder, args=["--arena", "16M"],

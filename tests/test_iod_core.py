@@ -4,6 +4,7 @@ shares served in waves, pins in the arena, eviction, failures. Deterministic:
 no daemon process, no slowed disk, no timing."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -442,6 +443,39 @@ def test_prefetches_fill_at_most_half_the_reads_in_flight(folder):
         h.finish()
     assert [r.expert for r in h.reply(b"a", rid).refs] == [0, 1, 2]
     assert h.core.prefetching == 0 and h.core.c["prefetch_reads"] == 8
+
+
+def test_a_demand_finds_a_reader_free_while_the_prefetches_are_read(folder, monkeypatch):
+    """One worker (a disk whose ceiling comes at depth 1): the daemon's pool
+    (Config.readers threads) starts a demand while a prefetch's read is
+    still going, instead of queueing it behind."""
+    from iod import reader as reader_mod
+
+    held, release = threading.Event(), threading.Event()
+    read = reader_mod.ReaderPool._read
+
+    def slow_prefetch(pool, job):
+        if job.layer == 0:  # the prefetched layer's reads take until the test lets them go
+            held.set()
+            release.wait(10)
+        read(pool, job)
+
+    monkeypatch.setattr(reader_mod.ReaderPool, "_read", slow_prefetch)
+    h = Harness(folder, workers=1)
+    pool = reader_mod.ReaderPool(h.core.cfg.readers, None)
+    h.core.reader = pool
+    try:
+        a = h.hello(b"a")
+        h.prefetch(b"a", a.model_id, 0, [0, 1, 2])
+        assert held.wait(5) and h.core.prefetching == 1
+        rid = h.demand(b"a", a.model_id, 1, [3])
+        job = pool.done.get(timeout=5)  # while the prefetch is held
+        assert job.key == (a.model_id, 1, 3) and job.error is None
+        h.core.completed(job)
+        assert [r.expert for r in h.reply(b"a", rid).refs] == [3]
+    finally:
+        release.set()
+        pool.stop(5)
 
 
 # ---- pins have a deadline ---------------------------------------------------------------
