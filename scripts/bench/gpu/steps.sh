@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
-#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|gate|depth|hitsab|ship|tinyspec|overhead|split
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|abq30 prefill|decode|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -185,6 +185,25 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
     ${NGRAM_KS:-2,4} ${REPS:-4} 64 "$OUT/rowwise-ab.json" model; }
   log kernels; tar czf "$(dirname "$PACKED")/ptx.tgz" -C "$MLX_PTX_CACHE_DIR" .
   ;;
+abq30)  # the working tree against AB_BASE (as `ab`) on q30 (after `q30`), alternating, ROUNDS rounds:
+  # `abq30 prefill`: iod's prefill of the long prompt of `prefill` at BUDGET (ORDER: layer-major);
+  # `abq30 decode`: iod's decode at BUDGET, routed as TRACE where it is there (carry .gpu/traces)
+  base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
+  cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
+  tr=${TRACE:-$PWD/.gpu/traces/qwen.route.csv}
+  case "${2:-prefill}" in
+  prefill) args=(--max-tokens 2 --prefill "${ORDER:-layer-major}" --raw-prompt
+                 --prompt "$(head -c ${PROMPT_CHARS:-20000} infer/data/corpus.txt)") ;;
+  *) args=(--max-tokens 24); [ -f "$tr" ] && args+=(--routing-trace "$tr") ;;
+  esac
+  for r in $(seq ${ROUNDS:-2}); do sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"
+  for side in $sides; do
+    dir=$PWD; [ $side = base ] && dir=$base
+    log "round $r $side ${2:-prefill}"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-200} python3 -m infer.tools.bench \
+      --model "$W/q30" --budget ${BUDGET:-0.25} --modes iod --runs 1 "${args[@]}" \
+      --json "$OUT/abq30-${2:-prefill}-$r-$side.json" 2>&1 | grep -E "^iod  ")
+  done; done ;;
 ab)  # the working tree against an older copy of the code (AB_BASE, a folder holding infer/ iod/ shared/
   # native/), alternating, on the trained model: `infer bench` at BUDGET and PREDICT, ROUNDS rounds of each
   base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
