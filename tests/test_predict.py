@@ -320,19 +320,41 @@ def test_plan_reads_what_fits_in_time():
 def test_uncalibrated_store_guesses_with_the_loaded_routers(trained_prep, trained_model):
     """Without a calibration the store applies the next layers' routers as
     mlx-lm loaded them (quantized, trained weights), not the modules the
-    constructor made before loading: recall far above chance (8/64)."""
+    constructor made before loading: recall far above chance (8/64). Its
+    guess is the router's top k, scored; ranks k + 1 to 2k come with it, for
+    spare disk time only."""
     from iod.inproc import InprocSource
 
     from infer.runtime.loader import load_streaming
+    from infer.runtime.prefetch import SPARE_RANKS
 
     folder = trained_prep("qwen3_moe")
     source = InprocSource(folder)
     try:
         model, tok, store = load_streaming(folder, source, cache_bytes=0)
-        assert store.prefetcher.calibration is None
+        ahead = store.prefetcher
+        assert ahead.calibration is None
+        layer = min(ahead.routers)
+        x = mx.random.normal((1, 1, model.args.hidden_size))
+        for nxt, d, lazy, use, breadth in ahead.predict(layer, x):
+            k = ahead.routers[nxt][1]
+            assert use is None and breadth == k and lazy[2] == SPARE_RANKS * k
+            ranked = np.array(lazy[0][:, lazy[1], : lazy[2]])
+            assert len(set(ranked.ravel().tolist())) == SPARE_RANKS * k
+        # with a measured rate and compute time: ranks past k only where half
+        # the disk's time is free
+        guess = (mx.array([list(range(2 * k))]), None, k)
+        ahead.layer_s, ahead.disk_rate = 1.0, 2 * k * store.layouts[layer + 1].record_bytes
+        ahead.prefetch([(layer + 1, 1, *guess)])
+        assert store.stats["prefetched"] == k  # half of 2k reads: the guess fills it
+        ahead.disk_rate *= 4
+        ahead.prefetch([(layer + 2, 1, *guess)])
+        assert store.stats["prefetched"] == k + 2 * k
+        ahead.layer_s = ahead.disk_rate = None
+        store.reset_stats()
         ids = tok.encode((trained_model("qwen3_moe") / "heldout.txt").read_text())[:16]
         greedy(model, ids, n=24)
-        assert store.prefetcher.prediction_stats()[1]["recall"] > 0.5
+        assert ahead.prediction_stats()[1]["recall"] > 0.5
     finally:
         source.close()
 

@@ -29,6 +29,7 @@ DECODE_ROWS = 8
 # the highest use a guess past its predictor's breadth is planned with: below
 # predict.MIN_USE, so such guesses are read in spare disk time only
 SPARE_ONLY = math.nextafter(predict.MIN_USE, 0.0)
+SPARE_RANKS = 2  # without a calibration: the router's top k x this, the ranks past k for spare time
 
 
 class Prefetcher:
@@ -115,7 +116,9 @@ class Prefetcher:
                 name, use = "router", None
             if name == "linear" and (module, self.layouts[nxt].module) not in cal.maps:
                 name, use, breadth = "router", None, k  # fitted for other layers (an MTP head's)
-            wide = max(breadth, len(use)) if use is not None else breadth
+            # uncalibrated, the router's next k ranks too, for spare disk time
+            wide = max(breadth, len(use)) if use is not None else \
+                min(SPARE_RANKS * breadth, self.layouts[nxt].num_experts) if name == "router" else breadth
             if name == "linear":
                 linear.setdefault(self.layouts[nxt].num_experts, []).append((len(out), nxt, wide))
                 ids = None
