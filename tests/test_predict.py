@@ -296,6 +296,15 @@ def test_verify_passes_are_planned_and_a_prefill_reads_its_next_layer(calibrated
         # the next call's wanted experts were hinted: used, none unused
         store.gather(2, np.arange(64))
         assert store.stats["prefetch_unused"] == 0
+        # at most half the arena's slots, the experts most rows guessed first
+        arena = source.layout
+        source.layout = type(arena)(arena.slot_size, 10)
+        try:
+            rows = mx.array([[[40, 41]] * 3 + [[42, 43]] * 2 + [[e, e + 1] for e in range(44, 60, 2)]])
+            store.prefetcher.prefetch([(3, 1, rows, None, 2)])
+            assert store.prefetcher._hinted[3] == {40, 41, 42, 43, 44}
+        finally:
+            source.layout = arena
 
 
 def test_plan_reads_what_fits_in_time():

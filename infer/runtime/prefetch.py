@@ -192,12 +192,14 @@ class Prefetcher:
         message (due now: the daemon reads them as demand reads).
 
         A prefill's call (more than DECODE_ROWS tokens) hints the next
-        layer's guessed experts, every one not cached, unplanned: it comes
-        here once its own experts are in and computing, so the disk reads
-        the next layer's while this one computes instead of after its
-        router (a long chunk needs most of them; on an H100, 2026-12-07, a
-        3,716-token prefill at 25% spent 67% of its time waiting for reads
-        that started at each router)."""
+        layer's guessed experts, every one not cached, unplanned, those
+        most rows guessed first, at most half the arena's slots (more would
+        evict each other before use in a small arena): it comes here once
+        its own experts are in and computing, so the disk reads the next
+        layer's while this one computes instead of after its router (a long
+        chunk needs most of them; on an H100, 2026-12-07, a 3,716-token
+        prefill at 25% spent 67% of its time waiting for reads that started
+        at each router)."""
         candidates, ahead = [], []
         for layer, d, ids, use, breadth in guesses:
             rows = np.array(ids).reshape(-1, ids.shape[-1])
@@ -206,8 +208,7 @@ class Prefetcher:
             # scored: the predictor's guess, not the ranks past it
             self._predicted.setdefault(layer, {})[d] = (guess, small)
             if not small and d == 1:
-                fresh = self._fresh(layer, guess)
-                ahead = [(layer, sorted(fresh), d)] if fresh else []
+                ahead = self._read_ahead(layer, rows[:, :breadth])
             if not small or not self.prefetch_pays(d):
                 continue  # still scored: prefetch resumes if guesses improve
             right, guessed = self._precision[d] if d < len(self._precision) else (1.0, 1.0)
@@ -244,6 +245,18 @@ class Prefetcher:
             self._hinted.setdefault(layer, set()).update(hinted)
             self.cache.stats["prefetched"] += len(hinted)
             self.cache.stats["prefetched_bytes"] += len(hinted) * self.layouts[layer].record_bytes
+
+    def _read_ahead(self, layer, guessed):
+        """A prefill's hint for the next ``layer``: of the experts in
+        ``guessed`` (its rows' guesses), the fresh ones, most rows' first,
+        at most half the arena's slots; [] or [(layer, experts, 1)]."""
+        experts, rows = np.unique(guessed, return_counts=True)
+        fresh = self._fresh(layer, experts.tolist())
+        order = [e for _, e in sorted(zip(-rows, experts.tolist())) if e in fresh]
+        layout = getattr(self.cache.source, "layout", None)
+        if layout is not None:
+            order = order[: layout.slot_count // 2]
+        return [(layer, sorted(order), 1)] if order else []
 
     def _fresh(self, layer, experts):
         """Of ``experts``, those a read would bring: not cached, not hinted,
