@@ -436,6 +436,8 @@ class Core:
                                   f"{self.cfg.max_queued}", m.layer)
                 break
             r = self.sched.demand(key, s.model, layout, s.id, received)
+            if r.job is not None:  # a prefetch being read: its check goes first now
+                r.job.urgent = True
             r.waiters.append(w)
             w.pending += 1
             s.claims += 1

@@ -1,5 +1,6 @@
 """The reader pool: threads that pread expert records straight into slot
-memory, bypassing the page cache, and verify each record's checksum.
+memory, bypassing the page cache, and verify each record's checksum (a
+record a demand waits for before prefetched ones).
 
 Threads only read and hash; every decision stays with the daemon's main
 thread. Finished jobs go back through a queue, and one byte on a pipe wakes
@@ -8,6 +9,7 @@ is free, so its own queues keep their order (demand before prefetch).
 """
 
 import errno
+import itertools
 import os
 import queue
 import sys
@@ -17,6 +19,8 @@ import time
 import native
 from shared import blob
 from shared.blob import record_checksum
+
+from .sched import DEMAND
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -114,7 +118,7 @@ class TokenBucket:
 class Job:
     __slots__ = (
         "key", "fd", "mode", "dest", "nbytes", "file_off", "record_bytes",
-        "checksum", "layer", "expert", "read_start", "read_end", "error", "got",
+        "checksum", "layer", "expert", "read_start", "read_end", "error", "got", "urgent",
     )
 
     def __init__(self, key, fd, mode, dest, nbytes, file_off, record_bytes, checksum, layer, expert):
@@ -127,6 +131,7 @@ class Job:
         self.read_start = self.read_end = 0
         self.error = None  # None, or (ErrorCode name, message)
         self.got = 0
+        self.urgent = False  # a demand waits for it: checked before prefetched records
 
 
 class ReaderPool:
@@ -141,7 +146,10 @@ class ReaderPool:
         self.jobs = queue.PriorityQueue()
         self.seq = 0
         self.done = queue.SimpleQueue()
-        self.to_hash = queue.SimpleQueue()
+        # (0 urgent / 1 not, seq, job): a demand's record is checked before
+        # the prefetched ones read ahead of it
+        self.to_hash = queue.PriorityQueue()
+        self.hashed = itertools.count()
         self.wake_fd = wake_fd
         self.bucket = TokenBucket(read_rate) if read_rate > 0 else None
         self.faults = faults or Faults()
@@ -156,8 +164,9 @@ class ReaderPool:
         for t in self.threads + self.hashers:
             t.start()
 
-    def submit(self, job: Job, cls: int = 0) -> None:
+    def submit(self, job: Job, cls: int = DEMAND) -> None:
         self.seq += 1
+        job.urgent = job.urgent or cls == DEMAND
         self.jobs.put((cls, self.seq, job))
 
     def stop(self, timeout=None) -> bool:
@@ -172,7 +181,7 @@ class ReaderPool:
         for t in self.threads:
             t.join(left())
         for _ in self.hashers:
-            self.to_hash.put(None)
+            self.to_hash.put((2, next(self.hashed), None))
         for t in self.hashers:
             t.join(left())
         return not any(t.is_alive() for t in self.threads + self.hashers)
@@ -194,7 +203,7 @@ class ReaderPool:
             try:
                 self._read(job)
                 if job.error is None and self.hashers:
-                    self.to_hash.put(job)
+                    self.to_hash.put((0 if job.urgent else 1, next(self.hashed), job))
                     continue
                 if job.error is None:
                     self._verify(job)
@@ -204,7 +213,7 @@ class ReaderPool:
 
     def _run_hasher(self) -> None:
         while True:
-            job = self.to_hash.get()
+            job = self.to_hash.get()[2]
             if job is None:
                 return
             try:

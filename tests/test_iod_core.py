@@ -5,6 +5,7 @@ no daemon process, no slowed disk, no timing."""
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -476,6 +477,55 @@ def test_a_demand_finds_a_reader_free_while_the_prefetches_are_read(folder, monk
     finally:
         release.set()
         pool.stop(5)
+
+
+def test_a_demanded_record_is_checked_before_the_prefetched_ones(folder, monkeypatch):
+    """The checksum threads take a record a demand waits for first, before
+    prefetched records that finished reading earlier."""
+    from iod import reader as reader_mod
+
+    first, go, order = threading.Event(), threading.Event(), []
+    verify = reader_mod.ReaderPool._verify
+
+    def held_verify(pool, job):
+        order.append(job.key[1:])
+        if len(order) == 1:  # the hasher is busy while the others finish reading
+            first.set()
+            go.wait(10)
+        verify(pool, job)
+
+    monkeypatch.setattr(reader_mod.ReaderPool, "_verify", held_verify)
+    h = Harness(folder, workers=4)
+    pool = reader_mod.ReaderPool(h.core.cfg.readers, None, hashers=1)
+    h.core.reader = pool
+    try:
+        a = h.hello(b"a")
+        h.prefetch(b"a", a.model_id, 0, [0])
+        assert first.wait(5)
+        h.prefetch(b"a", a.model_id, 0, [1, 2])
+        rid = h.demand(b"a", a.model_id, 1, [3])
+        deadline = time.monotonic() + 5
+        while pool.to_hash.qsize() < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        go.set()
+        for _ in range(4):
+            h.core.completed(pool.done.get(timeout=5))
+        assert order[:2] == [(0, 0), (1, 3)] and sorted(order[2:]) == [(0, 1), (0, 2)]
+        assert [r.expert for r in h.reply(b"a", rid).refs] == [3]
+    finally:
+        go.set()
+        pool.stop(5)
+
+
+def test_a_demand_on_a_prefetch_being_read_makes_it_urgent(folder):
+    h = Harness(folder, workers=1)
+    a = h.hello(b"a")
+    h.prefetch(b"a", a.model_id, 0, [5])
+    job = h.reader.jobs[0]
+    assert not job.urgent
+    h.demand(b"a", a.model_id, 0, [5])
+    assert job.urgent and h.reader.jobs == [job]
 
 
 # ---- pins have a deadline ---------------------------------------------------------------
