@@ -23,8 +23,8 @@ from infer.runtime import predict
 from infer.runtime.gate import PredictionGate
 
 # rows (tokens) of a decode-sized call: one token, or a verify pass of up
-# to 7 drafts; a longer call is a prefill, whose guesses are planned apart
-# (``prefetch``: the next layer's, all of them, once the call has its own)
+# to 7 drafts; a longer call is a prefill, whose guesses are not planned
+# (``prefetch``: the next layer's are read once the call has its own)
 DECODE_ROWS = 8
 # the highest use a guess past its predictor's breadth is planned with: below
 # predict.MIN_USE, so such guesses are read in spare disk time only
@@ -116,9 +116,12 @@ class Prefetcher:
                 name, use = "router", None
             if name == "linear" and (module, self.layouts[nxt].module) not in cal.maps:
                 name, use, breadth = "router", None, k  # fitted for other layers (an MTP head's)
-            # uncalibrated, the router's next k ranks too, for spare disk time
-            wide = max(breadth, len(use)) if use is not None else \
-                min(SPARE_RANKS * breadth, self.layouts[nxt].num_experts) if name == "router" else breadth
+            if use is not None:
+                wide = max(breadth, len(use))
+            elif name == "router":  # uncalibrated: the router's next ranks too, for spare disk time
+                wide = min(SPARE_RANKS * breadth, self.layouts[nxt].num_experts)
+            else:
+                wide = breadth
             if name == "linear":
                 linear.setdefault(self.layouts[nxt].num_experts, []).append((len(out), nxt, wide))
                 ids = None
