@@ -144,12 +144,11 @@ class ReaderPool:
         # (class, seq, job): a demand submitted later still starts before
         # prefetches that were handed over but not started
         self.jobs = queue.PriorityQueue()
-        self.seq = 0
         self.done = queue.SimpleQueue()
         # (0 urgent / 1 not, seq, job): a demand's record is checked before
         # the prefetched ones read ahead of it
         self.to_hash = queue.PriorityQueue()
-        self.hashed = itertools.count()
+        self.seq = itertools.count()  # both queues' tie-break (next() is atomic: readers put too)
         self.wake_fd = wake_fd
         self.bucket = TokenBucket(read_rate) if read_rate > 0 else None
         self.faults = faults or Faults()
@@ -165,9 +164,8 @@ class ReaderPool:
             t.start()
 
     def submit(self, job: Job, cls: int = DEMAND) -> None:
-        self.seq += 1
         job.urgent = job.urgent or cls == DEMAND
-        self.jobs.put((cls, self.seq, job))
+        self.jobs.put((cls, next(self.seq), job))
 
     def stop(self, timeout=None) -> bool:
         """Let jobs already submitted finish, then end the threads; give up
@@ -176,12 +174,11 @@ class ReaderPool:
         end = None if timeout is None else time.monotonic() + timeout
         left = lambda: None if end is None else max(end - time.monotonic(), 0)  # noqa: E731
         for _ in self.threads:
-            self.seq += 1
-            self.jobs.put((99, self.seq, None))
+            self.jobs.put((99, next(self.seq), None))
         for t in self.threads:
             t.join(left())
         for _ in self.hashers:
-            self.to_hash.put((2, next(self.hashed), None))
+            self.to_hash.put((2, next(self.seq), None))
         for t in self.hashers:
             t.join(left())
         return not any(t.is_alive() for t in self.threads + self.hashers)
@@ -203,7 +200,7 @@ class ReaderPool:
             try:
                 self._read(job)
                 if job.error is None and self.hashers:
-                    self.to_hash.put((0 if job.urgent else 1, next(self.hashed), job))
+                    self.to_hash.put((0 if job.urgent else 1, next(self.seq), job))
                     continue
                 if job.error is None:
                     self._verify(job)
