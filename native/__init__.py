@@ -22,4 +22,5 @@ from ._iodnative import (  # noqa: F401
     store_u32,
     store_u64,
     unpin,
+    wait_u32,
 )

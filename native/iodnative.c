@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static int get_word(PyObject *obj, Py_ssize_t offset, Py_ssize_t width,
@@ -64,6 +65,31 @@ static PyObject *store_u32(PyObject *self, PyObject *args) {
     __atomic_store_n((uint32_t *)p, (uint32_t)x, __ATOMIC_SEQ_CST);
     PyBuffer_Release(&v);
     Py_RETURN_NONE;
+}
+
+/* wait_u32(buffer, offset, value, spin_s, timeout_s) -> whether the word
+ * became ``value``: polled (seq_cst) for spin_s, then every 20 us until
+ * timeout_s, without the GIL, so a thread waiting for a GPU's post leaves
+ * the interpreter to the thread that queues the GPU's work. */
+static PyObject *wait_u32(PyObject *self, PyObject *args) {
+    PyObject *obj; Py_ssize_t off; unsigned long want; double spin_s, timeout_s;
+    Py_buffer v; char *p;
+    if (!PyArg_ParseTuple(args, "Onkdd", &obj, &off, &want, &spin_s, &timeout_s)) return NULL;
+    if (get_word(obj, off, 4, 0, &v, &p) < 0) return NULL;
+    int seen = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec t0, now, nap = {0, 20000};
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        if (__atomic_load_n((uint32_t *)p, __ATOMIC_SEQ_CST) == (uint32_t)want) { seen = 1; break; }
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        double dt = (double)(now.tv_sec - t0.tv_sec) + (now.tv_nsec - t0.tv_nsec) * 1e-9;
+        if (dt > timeout_s) break;
+        if (dt > spin_s) nanosleep(&nap, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v);
+    return PyBool_FromLong(seen);
 }
 
 /* add_u32(buffer, offset, delta) -> the word's new value */
@@ -600,6 +626,7 @@ static PyMethodDef methods[] = {
     {"store_u64", store_u64, METH_VARARGS, "Store a u64 word (seq_cst)."},
     {"load_u32", load_u32, METH_VARARGS, "Load a u32 word (seq_cst)."},
     {"store_u32", store_u32, METH_VARARGS, "Store a u32 word (seq_cst)."},
+    {"wait_u32", wait_u32, METH_VARARGS, "Wait, without the GIL, for a u32 word to hold a value."},
     {"add_u32", add_u32, METH_VARARGS, "Add to a u32 word (seq_cst); returns the new value."},
     {"pin_ready", pin_ready, METH_VARARGS, "Pin ready records found in the arena's directory."},
     {"unpin", unpin, METH_VARARGS, "Drop one pin per slot of a session's row."},

@@ -9,11 +9,11 @@ turn to a mailbox in pinned host memory. With every expert cached it hands
 the positions to the layer's ``gather_qmm`` at once: the call is built and
 run as the resident one is, no host read of device memory. With a miss it
 spins on the layer's granted turn. The host, once the forward is built,
-queues it a few layers at a time and walks the layers in order: it reads
-each layer's ids as the GPU posts them, places the misses (``Placement``),
-has the source read them and copies them into their rows on a stream of
-its own (``LayerStack.copy_in``), writes the rows and grants the turn; the
-GPU goes on. A table is rewritten
+queues all of it as the resident model is queued, while a thread of its
+own walks the layers in order: it reads each layer's ids as the GPU posts
+them, places the misses (``Placement``), has the source read them and
+copies them into their rows on a stream of its own (``LayerStack.copy_in``),
+writes the rows and grants the turn; the GPU goes on. A table is rewritten
 from its placement when the next forward is built, before any of its
 kernels is queued.
 
@@ -36,8 +36,8 @@ tested on the CPU with its memory, and not run: a kernel that does not
 build or pass its check at load leaves the session synced."""
 
 import mmap
-import os
 import sys
+import threading
 import time
 
 import mlx.core as mx
@@ -49,22 +49,9 @@ from infer.args import first_line
 
 MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
 TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
-SPINS = 10_000  # polls of a post (1-3 ms) before the host sleeps between them
+SPIN_S = 0.002  # a post is polled this long (a layer's compute) before the host sleeps between polls
 CHECK_S = 5  # the load's check waits this long for a kernel's post
 HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
-# The host queues a call's graph only once no kernel queued before it can wait
-# for this host (``finish``): inside MLX's async_eval the host may block (MLX's
-# back-pressure on command buffers in flight, its allocator), and a kernel
-# waiting for this host must never be what it waits for. So a call's graph is
-# one command buffer, launched as async_eval returns, not cut into buffers of
-# 20-50 kernels or 40-400 MB of inputs whose first may wait while the rest is
-# encoded. MLX reads these at its first GPU evaluation: set here where none has
-# run yet (nothing allocated), as a CLI process imports this before it loads a
-# model.
-if (mx.cuda.is_available() or mx.metal.is_available()) and mx.get_peak_memory() == 0:
-    os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "200")
-    os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", "1000000")
-
 _CUDA_SOURCE = """
     uint64_t* box = (uint64_t*)box_in;
     volatile int* mail = (volatile int*)box[0];
@@ -393,103 +380,142 @@ class DeviceWait:
         stack.table_stale = False
 
     def finish(self, serve, hint):
-        """Queue the forward's calls and serve them in order as the GPU
+        """Queue the forward's calls, every one in order, as the resident
+        model is queued, while a thread of its own serves them as the GPU
         posts their ids: ``serve(layer, stack, ids, guesses)`` places and
         copies in a call's misses (hinting its guesses first) and returns
         {expert: row}, or None with no miss; such a call's guesses go to
-        ``hint(guesses)`` once the next call is queued, so the GPU does not
-        wait for their plan. A call is queued once no kernel queued before
-        it can wait for this host. Then the next turn."""
+        ``hint(guesses)`` after. Inside MLX's async_eval this thread may wait
+        for the GPU (its back-pressure on work in flight, its allocator)
+        while a kernel waits for a grant: the serving thread gives it
+        (async_eval lets go of the GIL), so the GPU never waits for a graph
+        to be built, only for a miss. Then the next turn."""
         calls, self.calls = self.calls, []
         if not calls:
             return
-        turn = self.turn
-        prof = self.store.profiler
-        done = 0
-        _queue(calls[0][3])
+        run = _Run()
+        serving = threading.Thread(target=self._serve, args=(calls, self.turn, serve, hint, run),
+                                   name="iod-device-wait", daemon=True)
+        serving.start()
         try:
-            for j, (layer, stack, n, _, readback, guessed) in enumerate(calls):
-                i = self.slot[layer]
-                t0 = time.monotonic_ns()
-                self._wait_posted(i, turn)
-                t1 = time.monotonic_ns()
-                ids = self.ids[i, :n].tolist()
-                # the next call's graph to the GPU once no queued kernel waits
-                # for this host (an H100, 2026-12-07: queueing two calls ahead
-                # hung the qwen3-30b-a3b preset's first token in async_eval
-                # while the call before waited for its grant): at once where
-                # this kernel found every row in its table, else once served
-                hit = bool((self.tables[i, ids] >= 0).all())
-                nxt = calls[j + 1][3] if j + 1 < len(calls) else None
-                early = hit and nxt is not None
-                if early:
-                    _queue(nxt)
-                t2 = time.monotonic_ns()  # (the host's work on the token's path ends here)
-                guesses = readback(self.guesses[i, :guessed].astype(np.uint32)) if readback else None
-                rows = serve(layer, stack, ids, guesses)
-                if rows:  # (the table follows at the next forward's build: positions)
-                    self.rows[i, :n] = [rows.get(e, -1) for e in ids]
-                    self._grant(i, turn)
-                done += 1
-                if not early:
-                    if nxt is not None:
-                        _queue(nxt)
-                    t2 = time.monotonic_ns()
-                if guesses and rows is None:
-                    hint(guesses)
-                if prof:  # the wait for the GPU to post; the host's work on the token's
-                    # path (n: 1 for an all-hit call); its work while the GPU runs on
-                    prof.span("compute", layer, t0, t1)
-                    prof.span("host", layer, t1, t2, int(hit))
-                    prof.span("aside", layer, t2, time.monotonic_ns())
+            for call in calls:
+                if run.failed:  # (its calls run on at once, on row 0, as the forward raises)
+                    _queue(calls[-1][3])
+                    run.queued_ns += [time.monotonic_ns()] * (len(calls) - run.queued)
+                    run.queued = len(calls)
+                    break
+                _queue(call[3])
+                run.queued_ns.append(time.monotonic_ns())
+                run.queued += 1
         except BaseException:
-            # the forward raises: its waiting layers go on at once (on row 0).
-            # A kernel reads the turn as it starts, so this one stays until
-            # each has posted: one that started after it moved on would wait
-            # for a grant of the next turn, and the next forward would read
-            # its stale post as its own
-            for layer, *_ in calls[done:]:
-                self.rows[self.slot[layer]] = 0
-                self._grant(self.slot[layer], turn)
-            _queue(calls[-1][3])  # (what was not queued runs now, on those rows)
-            try:
-                for layer, *_ in calls[done:]:
-                    self._wait_posted(self.slot[layer], turn)
-            except RuntimeError:
-                pass  # (the GPU never got there: the forward's own error is the one to raise)
+            run.stop = True  # (the calls never queued never post)
             raise
         finally:
+            run.queue_done = True
+            interrupted = None
+            while serving.is_alive():  # (a Ctrl-C here still waits for the GPU to be let go)
+                try:
+                    serving.join()
+                except BaseException as e:
+                    run.stop, interrupted = True, e
             self.turn += 1
             self.mail[0] = self.turn
+            self._profile(calls, run)
+            if interrupted is not None:
+                raise interrupted
         timed_out, self.mail[1] = int(self.mail[1]), 0  # (the next forward starts clear)
+        if run.error is not None:
+            raise run.error
         if timed_out:
             raise RuntimeError(f"device wait: a layer waited {self.timeout_s:.0f} s for its "
                                f"experts (slot {timed_out - 1}), so this forward's output is "
                                f"wrong and is not used; --device-wait off syncs at each router "
                                f"instead")
 
+    def _serve(self, calls, turn, serve, hint, run):
+        """The serving thread: each call in order, once the GPU has posted it."""
+        done = 0
+        try:
+            for j, (layer, stack, n, _, readback, guessed) in enumerate(calls):
+                i = self.slot[layer]
+                t0 = time.monotonic_ns()
+                if not self._posted(i, turn, self.timeout_s, lambda: run.stop and j >= run.queued):
+                    raise RuntimeError(f"device wait: the GPU never reached layer slot {i} "
+                                       f"(--device-wait off syncs at each router instead)")
+                t1 = time.monotonic_ns()
+                ids = self.ids[i, :n].tolist()
+                hit = bool((self.tables[i, ids] >= 0).all())
+                guesses = readback(self.guesses[i, :guessed].astype(np.uint32)) if readback else None
+                rows = serve(layer, stack, ids, guesses)
+                if rows:  # (the table follows at the next forward's build: positions)
+                    self.rows[i, :n] = [rows.get(e, -1) for e in ids]
+                    self._grant(i, turn)
+                t2 = time.monotonic_ns()
+                done += 1
+                if guesses and rows is None:
+                    hint(guesses)
+                run.served.append((t0, t1, t2, time.monotonic_ns(), hit))
+        except BaseException as e:
+            # the forward raises: its waiting layers go on at once (on row 0).
+            # A kernel reads the turn as it starts, so this one stays until
+            # each queued one has posted: one that started after it moved on
+            # would wait for a grant of the next turn, and the next forward
+            # would read its stale post as its own
+            run.error, run.failed = e, True
+            for layer, *_ in calls[done:]:
+                self.rows[self.slot[layer]] = 0
+                self._grant(self.slot[layer], turn)
+            while not run.queue_done:
+                time.sleep(1e-4)
+            for layer, *_ in calls[done:run.queued]:
+                if not self._posted(self.slot[layer], turn, self.timeout_s, lambda: False):
+                    break  # (the GPU never got there: the forward's own error is the one to raise)
+
+    def _profile(self, calls, run):
+        """The spans of the calls served: the wait for each post (compute);
+        the host's work on the token's path (host: a miss's serving up to
+        its grant; for a call that hit every expert, the time from its post
+        until the next call's graph was queued, 0 where it was queued
+        already); the serving after that (aside)."""
+        prof = self.store.profiler
+        if not prof:
+            return
+        for j, ((t0, t1, t2, t3, hit), call) in enumerate(zip(run.served, calls)):
+            layer = call[0]
+            prof.span("compute", layer, t0, t1)
+            if hit:
+                nxt = max(t1, run.queued_ns[j + 1] if j + 1 < len(run.queued_ns) else t1)
+                prof.span("host", layer, t1, nxt, 1)
+                prof.span("aside", layer, nxt, max(nxt, t3))
+            else:
+                prof.span("host", layer, t1, t2, 0)
+                prof.span("aside", layer, t2, t3)
+
     def _grant(self, i, turn):
         """Let slot ``i``'s kernel go on: a store that follows every store
         before it (its rows, the records copied in) on any CPU."""
         native.store_u32(self._mail_buf, 4 * (HEAD + len(self.slot) + i), turn)
 
-    def _wait_posted(self, i, turn):
-        if not self._posted(i, turn, self.timeout_s):
-            raise RuntimeError(f"device wait: the GPU never reached layer slot {i} "
-                               f"(--device-wait off syncs at each router instead)")
-
-    def _posted(self, i, turn, timeout_s) -> bool:
-        """Whether slot ``i``'s kernel posts ``turn`` within ``timeout_s``;
-        what it wrote before is seen after (a load no later load passes).
-        Spun on for the first few ms (a layer's compute): a sleep costs the
-        GPU, should it wait for this call, 50 us or more to wake from."""
+    def _posted(self, i, turn, timeout_s, stop=lambda: False) -> bool:
+        """Whether slot ``i``'s kernel posts ``turn`` within ``timeout_s``
+        (or before ``stop()``); what it wrote before is seen after (a load
+        no later load passes). Spun on for the first SPIN_S (a layer's
+        compute: a sleep costs the GPU, should it wait for this call, 50 us
+        or more to wake from), without the GIL."""
         at = 4 * (HEAD + i)
-        t0 = time.monotonic()
-        spins = 0
-        while native.load_u32(self._mail_buf, at) != turn:
-            spins += 1
-            if spins > SPINS:
-                time.sleep(20e-6)
-                if time.monotonic() - t0 > timeout_s:
-                    return False
+        end = time.monotonic() + timeout_s
+        while not native.wait_u32(self._mail_buf, at, turn, SPIN_S, min(0.05, timeout_s)):
+            if stop() or time.monotonic() > end:
+                return False
         return True
+
+
+class _Run:
+    """A forward being served: how far the host has queued it (calls, and
+    when each was queued), the calls served (t0 waiting, t1 posted, t2
+    granted or served, t3 done, hit) and what stopped it."""
+
+    def __init__(self):
+        self.queued, self.queued_ns, self.queue_done = 0, [], False
+        self.served = []
+        self.error, self.failed, self.stop = None, False, False

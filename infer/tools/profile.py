@@ -344,7 +344,8 @@ def summarize(records, spans, tokens, copies, meta, disk_ceiling=None) -> dict:
         "decode_bytes_per_token": decode / (n_tokens - 1) if n_tokens > 1 else None,
         "demand_bursts": burst_summary(demand_bursts(records), disk_ceiling),
         # the device wait's all-hit calls: the host's work on the token's path
-        # (from the GPU's post to the next call queued), µs
+        # (from the GPU's post until the next call's graph was queued, 0 where
+        # it was queued before), µs
         "all_hit_host_us": percentiles((t1 - t0) / 1e3 for kind, _, t0, t1, n in spans
                                        if kind == "host" and n == 1),
     }
@@ -364,8 +365,8 @@ def decode_split(spans, tokens) -> dict:
     router, the one sync per streamed layer), ``stall`` (waiting for
     records), ``copy`` (records into MLX), ``host`` (the streamed layers' own
     work on the host: prediction, lookup, prefetch plan, the expert call's
-    graph), ``aside`` (the device wait's host work on a call once the next
-    is queued, the GPU running on) and ``other`` (the rest: the model's
+    graph), ``aside`` (the device wait's serving of a call while the GPU
+    runs on) and ``other`` (the rest: the model's
     other layers built on the host, sampling; with no streamed layer, all
     of it)."""
     start, end = tokens[0], tokens[-1]
@@ -417,12 +418,12 @@ def summary_markdown(s) -> str:
                   "compute: waiting for the model's work up to each streamed layer's router "
                   "(one sync a layer); host: the streamed layers' own host work (prediction, "
                   "lookup, prefetch plan, the expert call's graph); aside: the device wait's "
-                  "host work on a call once the next is queued; other: the rest of the "
+                  "serving of a call while the GPU runs on; other: the rest of the "
                   "model's host work and sampling."]
     h = s.get("all_hit_host_us") or {}
     if h.get("n"):
-        lines += ["", f"Device wait: an all-hit call's host work on the token's path (its post "
-                  f"read to the next call queued): p50 {_f(h['p50'])} µs, p90 {_f(h['p90'])} µs, "
+        lines += ["", f"Device wait: an all-hit call's host work on the token's path (from its "
+                  f"post until the next call's graph was queued, 0 if it was already): p50 {_f(h['p50'])} µs, p90 {_f(h['p90'])} µs, "
                   f"p99 {_f(h['p99'])} µs over {h['n']} calls."]
     meta = s.get("meta") or {}
     if meta.get("layer_calls"):
