@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
-#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|abq30 prefill|decode|gate|depth|hitsab|ship|tinyspec|overhead|split
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|abq30 prefill|decode|abrun|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -52,11 +52,15 @@ pair)  # iod against resident interleaved in one process (scripts/bench/bench_pa
       --budget "$b" --dtype bfloat16 --tokens ${TOKENS:-96} --block ${BLOCK:-8} --json "$OUT/pair-$b.json" 2>&1 | tail -1
   done ;;
 q30)  # the qwen3-30b-a3b preset (random weights, 4-bit, bf16), its disk, warm kernels
-  log synth; time infer synth --arch qwen3_moe --preset "${PRESET:-qwen3-30b-a3b}" --dtype "${DTYPE:-bfloat16}" --out "$W/q30-src" --force | tail -2
+  # (LAYERS=12: the preset's layers, fewer of them, the same kernels; DOCTOR=0: no disk curve)
+  log synth; time infer synth --arch qwen3_moe --preset "${PRESET:-qwen3-30b-a3b}" ${LAYERS:+--layers "$LAYERS"} \
+    --dtype "${DTYPE:-bfloat16}" --out "$W/q30-src" --force | tail -2
   log prep; time infer prep --model "$W/q30-src" --out "$W/q30" --force | tail -2
   rm -rf "$W/q30-src"
-  log doctor; iod doctor --model "$W/q30" --seconds 1 --rounds 2 --plot "$OUT/doctor.png" --json > "$OUT/doctor.json"
-  log dd; for f in "$W"/q30/layer010.blob "$W"/q30/layer030.blob; do dd if="$f" of=/dev/null bs=3M iflag=direct 2>&1 | tail -1; done | tee "$OUT/dd.txt"
+  if [ "${DOCTOR:-1}" = 1 ]; then
+    log doctor; iod doctor --model "$W/q30" --seconds 1 --rounds 2 --plot "$OUT/doctor.png" --json > "$OUT/doctor.json"
+    log dd; for f in "$W"/q30/layer010.blob "$W"/q30/layer030.blob; do dd if="$f" of=/dev/null bs=3M iflag=direct 2>&1 | tail -1; done | tee "$OUT/dd.txt"
+  fi
   # a hang (the device wait at 4e0f1e3) dumps every thread's stack at the limit (warm.txt),
   # and the kernels are then warmed with the device wait off, so later steps still run
   log warm; time timeout -s ABRT ${WARM_S:-240} python3 -X faulthandler -m infer.cli run --model "$W/q30" \
@@ -204,6 +208,25 @@ abq30)  # the working tree against AB_BASE (as `ab`) on q30 (after `q30`), alter
       --model "$W/q30" --budget ${BUDGET:-0.25} --modes iod --runs 1 "${args[@]}" \
       --json "$OUT/abq30-${2:-prefill}-$r-$side.json" 2>&1 | grep -E "^iod  ")
   done; done ;;
+abrun)  # the working tree against AB_BASE on q30 (after `q30`), alternating, ROUNDS rounds: `infer run`
+  # of the warm-up's prompt (no kernel left to compile), TOKENS tokens at the default cache; each
+  # side's text must be the same (greedy); PROFILE=1: then one `--profile` run of the working tree
+  base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
+  cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
+  for r in $(seq ${ROUNDS:-2}); do sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"
+  for side in $sides; do
+    dir=$PWD; [ $side = base ] && dir=$base
+    log "round $r $side"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.cli run --model "$W/q30" \
+      --max-tokens ${TOKENS:-32} --prompt "Hello" > "$OUT/run-$r-$side.txt" 2>&1)
+    grep -E "^Generation|waiting for records" "$OUT/run-$r-$side.txt"
+  done; done
+  for f in "$OUT"/run-*.txt; do awk '/^==========$/{n++; next} n==1' "$f" | md5sum; done | sort | uniq -c  # (one line: the same text)
+  if [ "${PROFILE:-0}" = 1 ]; then
+    log profile; timeout ${BENCH_S:-100} python3 -m infer.cli run --model "$W/q30" --max-tokens ${TOKENS:-32} \
+      --prompt "Hello" --profile "$OUT/prof" 2>&1 | grep -E "^Generation"
+    python3 -c "import json; d = json.load(open('$OUT/prof/summary.json')); print(d['all_hit_host_us'], d.get('decode_ms_per_token'))"
+  fi ;;
 ab)  # the working tree against an older copy of the code (AB_BASE, a folder holding infer/ iod/ shared/
   # native/), alternating, on the trained model: `infer bench` at BUDGET and PREDICT, ROUNDS rounds of each
   base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
