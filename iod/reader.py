@@ -131,13 +131,16 @@ class Job:
         self.read_start = self.read_end = 0
         self.error = None  # None, or (ErrorCode name, message)
         self.got = 0
-        self.urgent = False  # a demand waits for it: checked before prefetched records
+        self.urgent = False  # a demand waits for it: checked by its reader, at once
 
 
 class ReaderPool:
-    """``workers`` threads read; with ``hashers`` > 0 the checksum is left to
-    that many other threads, so a reader starts its next read at once and the
-    device queue stays ``workers`` deep."""
+    """``workers`` threads read; with ``hashers`` > 0 the checksum of a
+    prefetched record is left to that many other threads, so a reader starts
+    its next read at once and the device queue stays ``workers`` deep. A
+    record a demand waits for is checked by its reader at once: a hand-off
+    to a hasher thread would add a thread's wake-up to the demand's wait,
+    and queue it behind prefetched records."""
 
     def __init__(self, workers: int, wake_fd: int, read_rate: float = 0.0, faults: Faults = None,
                  hashers: int = 0):
@@ -145,10 +148,8 @@ class ReaderPool:
         # prefetches that were handed over but not started
         self.jobs = queue.PriorityQueue()
         self.done = queue.SimpleQueue()
-        # (0 urgent / 1 not, seq, job): a demand's record is checked before
-        # the prefetched ones read ahead of it
-        self.to_hash = queue.PriorityQueue()
-        self.seq = itertools.count()  # both queues' tie-break (next() is atomic: readers put too)
+        self.to_hash = queue.SimpleQueue()
+        self.seq = itertools.count()  # the jobs' tie-break
         self.wake_fd = wake_fd
         self.bucket = TokenBucket(read_rate) if read_rate > 0 else None
         self.faults = faults or Faults()
@@ -178,7 +179,7 @@ class ReaderPool:
         for t in self.threads:
             t.join(left())
         for _ in self.hashers:
-            self.to_hash.put((2, next(self.seq), None))
+            self.to_hash.put(None)
         for t in self.hashers:
             t.join(left())
         return not any(t.is_alive() for t in self.threads + self.hashers)
@@ -199,8 +200,8 @@ class ReaderPool:
                 return
             try:
                 self._read(job)
-                if job.error is None and self.hashers:
-                    self.to_hash.put((0 if job.urgent else 1, next(self.seq), job))
+                if job.error is None and self.hashers and not job.urgent:
+                    self.to_hash.put(job)
                     continue
                 if job.error is None:
                     self._verify(job)
@@ -210,7 +211,7 @@ class ReaderPool:
 
     def _run_hasher(self) -> None:
         while True:
-            job = self.to_hash.get()[2]
+            job = self.to_hash.get()
             if job is None:
                 return
             try:

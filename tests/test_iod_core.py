@@ -5,7 +5,6 @@ no daemon process, no slowed disk, no timing."""
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -479,9 +478,10 @@ def test_a_demand_finds_a_reader_free_while_the_prefetches_are_read(folder, monk
         pool.stop(5)
 
 
-def test_a_demanded_record_is_checked_before_the_prefetched_ones(folder, monkeypatch):
-    """The checksum threads take a record a demand waits for first, before
-    prefetched records that finished reading earlier."""
+def test_a_demanded_record_is_checked_by_its_reader_not_behind_the_prefetched_ones(folder, monkeypatch):
+    """A record a demand waits for is checked by the thread that read it, at
+    once: it completes while the one checksum thread is held on a prefetched
+    record and two more prefetched records wait for it."""
     from iod import reader as reader_mod
 
     first, go, order = threading.Event(), threading.Event(), []
@@ -504,15 +504,14 @@ def test_a_demanded_record_is_checked_before_the_prefetched_ones(folder, monkeyp
         assert first.wait(5)
         h.prefetch(b"a", a.model_id, 0, [1, 2])
         rid = h.demand(b"a", a.model_id, 1, [3])
-        deadline = time.monotonic() + 5
-        while pool.to_hash.qsize() < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        job = pool.done.get(timeout=5)  # while the hasher is held
+        assert job.key[1:] == (1, 3) and job.error is None
+        h.core.completed(job)
+        assert [r.expert for r in h.reply(b"a", rid).refs] == [3]
         go.set()
-        for _ in range(4):
+        for _ in range(3):
             h.core.completed(pool.done.get(timeout=5))
         assert order[:2] == [(0, 0), (1, 3)] and sorted(order[2:]) == [(0, 1), (0, 2)]
-        assert [r.expert for r in h.reply(b"a", rid).refs] == [3]
     finally:
         go.set()
         pool.stop(5)
