@@ -20,6 +20,24 @@ infer() { python3 -m infer.cli "$@"; }
 iod() { python3 -m iod.cli "$@"; }
 log() { pack; echo "== $(date +%T) $*"; }
 
+# The A/B steps: ``alternate F`` runs ``F round side dir`` for ROUNDS rounds, side base (AB_BASE, a
+# copy of older infer/ iod/ shared/ native/, in dir) and new (this tree). The order alternates by
+# round: benches of one call drift (an H200, 2026-12-06: each slower than the one before), which a
+# fixed order charges to the side that runs second
+alternate() {
+  local base r side dir
+  base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
+  # the native module this checkout imports (a carried base has none; the glob missed it once)
+  cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
+  for r in $(seq ${ROUNDS:-2}); do
+    for side in $([ $((r % 2)) = 0 ] && echo new base || echo base new); do
+      dir=$PWD; [ $side = base ] && dir=$base
+      log "round $r $side"
+      "$1" "$r" "$side" "$dir"
+    done
+  done
+}
+
 case "$1" in
 setup)
   bash scripts/bench/gpu/setup.sh 2>&1 | tee "$OUT/setup.txt"
@@ -192,35 +210,28 @@ spec)  # issue 17 on the trained small models: MTP resident and at 25%, n-gram o
 abq30)  # the working tree against AB_BASE (as `ab`) on q30 (after `q30`), alternating, ROUNDS rounds:
   # `abq30 prefill`: iod's prefill of the long prompt of `prefill` at BUDGET (ORDER: layer-major);
   # `abq30 decode`: iod's decode at BUDGET, routed as TRACE where it is there (carry .gpu/traces)
-  base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
-  cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
   tr=${TRACE:-$PWD/.gpu/traces/qwen.route.csv}
-  case "${2:-prefill}" in
+  what=${2:-prefill}
+  case "$what" in
   prefill) args=(--max-tokens 2 --prefill "${ORDER:-layer-major}" --raw-prompt
                  --prompt "$(head -c ${PROMPT_CHARS:-20000} infer/data/corpus.txt)") ;;
   *) args=(--max-tokens 24); [ -f "$tr" ] && args+=(--routing-trace "$tr") ;;
   esac
-  for r in $(seq ${ROUNDS:-2}); do sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"
-  for side in $sides; do
-    dir=$PWD; [ $side = base ] && dir=$base
-    log "round $r $side ${2:-prefill}"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-200} python3 -m infer.tools.bench \
+  one() {
+    (cd "$3" && PYTHONPATH=/tmp/site:$3 timeout ${BENCH_S:-200} python3 -m infer.tools.bench \
       --model "$W/q30" --budget ${BUDGET:-0.25} --modes iod --runs 1 "${args[@]}" \
-      --json "$OUT/abq30-${2:-prefill}-$r-$side.json" 2>&1 | grep -E "^iod  ")
-  done; done ;;
+      --json "$OUT/abq30-$what-$1-$2.json" 2>&1 | grep -E "^iod  ")
+  }
+  alternate one ;;
 abrun)  # the working tree against AB_BASE on q30 (after `q30`), alternating, ROUNDS rounds: `infer run`
   # of the warm-up's prompt (no kernel left to compile), TOKENS tokens at the default cache; each
   # side's text must be the same (greedy); PROFILE=1: then one `--profile` run of the working tree
-  base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
-  cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
-  for r in $(seq ${ROUNDS:-2}); do sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"
-  for side in $sides; do
-    dir=$PWD; [ $side = base ] && dir=$base
-    log "round $r $side"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.cli run --model "$W/q30" \
-      --max-tokens ${TOKENS:-32} --prompt "Hello" > "$OUT/run-$r-$side.txt" 2>&1)
-    grep -E "^Generation|waiting for records" "$OUT/run-$r-$side.txt"
-  done; done
+  one() {
+    (cd "$3" && PYTHONPATH=/tmp/site:$3 timeout ${BENCH_S:-100} python3 -m infer.cli run --model "$W/q30" \
+      --max-tokens ${TOKENS:-32} --prompt "Hello" > "$OUT/run-$1-$2.txt" 2>&1)
+    grep -E "^Generation|waiting for records" "$OUT/run-$1-$2.txt"
+  }
+  alternate one
   for f in "$OUT"/run-*.txt; do awk '/^==========$/{n++; next} n==1' "$f" | md5sum; done | sort | uniq -c  # (one line: the same text)
   if [ "${PROFILE:-0}" = 1 ]; then
     log profile; timeout ${BENCH_S:-100} python3 -m infer.cli run --model "$W/q30" --max-tokens ${TOKENS:-32} \
@@ -229,19 +240,12 @@ abrun)  # the working tree against AB_BASE on q30 (after `q30`), alternating, RO
   fi ;;
 ab)  # the working tree against an older copy of the code (AB_BASE, a folder holding infer/ iod/ shared/
   # native/), alternating, on the trained model: `infer bench` at BUDGET and PREDICT, ROUNDS rounds of each
-  base=$(cd "${AB_BASE:-.gpu/base}" && pwd)
-  # the native module this checkout imports (a carried base has none; the glob missed it once)
-  cp "$(python3 -c 'import native._iodnative as m; print(m.__file__)')" "$base/native/" || exit 1
-  # the order alternates by round: benches of one call drift (an H200, 2026-12-06: each slower
-  # than the one before), which a fixed order charges to the side that runs second
-  for r in $(seq ${ROUNDS:-2}); do sides="base new"; [ $((r % 2)) = 0 ] && sides="new base"
-  for side in $sides; do
-    dir=$PWD; [ $side = base ] && dir=$base
-    log "round $r $side"
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout ${BENCH_S:-100} python3 -m infer.tools.bench \
+  one() {
+    (cd "$3" && PYTHONPATH=/tmp/site:$3 timeout ${BENCH_S:-100} python3 -m infer.tools.bench \
       --model "$W/p-${ARCH:-qwen3_next}" --budget ${BUDGET:-0.25} --modes ${MODES:-iod} --runs ${RUNS:-3} \
-      --predict ${PREDICT:-auto} --max-tokens ${TOKENS:-48} --prompt @pycode --raw-prompt --json "$OUT/ab-$r-$side.json" 2>&1 | tail -3)
-  done; done ;;
+      --predict ${PREDICT:-auto} --max-tokens ${TOKENS:-48} --prompt @pycode --raw-prompt --json "$OUT/ab-$1-$2.json" 2>&1 | tail -3)
+  }
+  alternate one ;;
 gate)  # the prediction gate (infer/runtime/gate.py): iod with prediction on, measured (auto) and off (beside
   # sync), long enough for the gate to probe; the order reversed every round
   for r in $(seq ${ROUNDS:-1}); do for b in ${BUDGETS:-0.25 0.5}; do
