@@ -526,3 +526,42 @@ def test_a_synced_calls_deferred_misses_are_copied_before_the_forward_is_queued(
     _generate(gpu, source, model, tokenizer, 24)
     assert deferred[0] > 0 and store.stats["device_calls"] > 0
     assert pending_at_queue and not any(pending_at_queue)
+
+
+def test_a_post_is_waited_for_without_the_gil():
+    """``native.wait_u32`` (the serving thread's wait for a post) sees a word
+    another thread stores, gives up after its timeout, and lets Python
+    threads run while it waits (the thread queueing the forward)."""
+    import mmap
+    import threading
+
+    import native
+
+    buf = mmap.mmap(-1, mmap.PAGESIZE)
+    later = threading.Timer(0.05, native.store_u32, (buf, 8, 7))
+    later.start()
+    t0 = time.monotonic()
+    assert native.wait_u32(buf, 8, 7, 0.002, 5.0)
+    assert 0.04 < time.monotonic() - t0 < 2.0
+    stamps, stop = [], [False]
+
+    def count():
+        while not stop[0]:
+            stamps.append(time.monotonic())
+            time.sleep(0)
+
+    other = threading.Thread(target=count)
+    other.start()
+    try:
+        t0 = time.monotonic()
+        assert not native.wait_u32(buf, 8, 9, 0.002, 0.2)
+        t1 = time.monotonic()
+        assert 0.19 < t1 - t0 < 2.0
+        native.wait_u32(buf, 8, 9, 0.2, 0.2)  # spinning, all of it
+        t2 = time.monotonic()
+        # the other thread ran Python while each wait went on
+        assert any(t0 + 0.02 < t < t1 - 0.02 for t in stamps)
+        assert any(t1 + 0.02 < t < t2 - 0.02 for t in stamps)
+    finally:
+        stop[0] = True
+        other.join()
