@@ -312,6 +312,36 @@ def test_a_failed_read_releases_every_waiting_kernel(prep_model, monkeypatch):
     assert len(gpu.log) == queued > 0
 
 
+def test_an_interrupt_while_a_forward_is_queued_leaves_no_kernel_waiting(prep_model, monkeypatch):
+    """A Ctrl-C inside the queueing of a forward (MLX's async_eval) after
+    some of its calls went to the GPU: the rest go to the GPU too (none is
+    left to run later, with another forward's turn), none waits out its
+    timeout, the interrupt is what the caller sees, and the next
+    generation runs clear."""
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    queue, queues = gpu._queue, [0]
+
+    def interrupted(y):
+        queues[0] += 1
+        if queues[0] == 40:  # a decode forward's third call
+            raise KeyboardInterrupt
+        queue(y)
+
+    monkeypatch.setattr(device, "_queue", interrupted)
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(generate_step(prompt, model, max_tokens=24))
+        assert all(c[3] is None for c in store.device.calls_seen)  # all queued
+        assert len(list(generate_step(prompt, model, max_tokens=8))) == 8
+    finally:
+        gpu.close()
+        source.close()
+    assert gpu.timeouts == 0 and not store.device.mail[1]
+
+
 def test_a_kernel_that_timed_out_fails_its_forward_only(prep_model, monkeypatch):
     """A kernel that gave up waiting (its slot in the error word): that
     forward raises, naming the slot, and the next generation runs clear."""

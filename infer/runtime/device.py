@@ -399,18 +399,22 @@ class DeviceWait:
         serving.start()
         try:
             for call in calls:
-                if run.failed:  # (its calls run on at once, on row 0, as the forward raises)
-                    _queue(calls[-1][3])
-                    run.queued_ns += [time.monotonic_ns()] * (len(calls) - run.queued)
-                    run.queued = len(calls)
+                if run.failed:
                     break
                 _queue(call[3])
                 run.queued_ns.append(time.monotonic_ns())
                 run.queued += 1
-        except BaseException:
-            run.stop = True  # (the calls never queued never post)
-            raise
         finally:
+            if run.queued < len(calls):
+                # the forward raises, but every call of it still goes to the GPU
+                # now, on row 0 (the serving thread grants the rest as it stops):
+                # none may run later, with another forward's turn
+                run.stop = True
+                try:
+                    _queue(calls[-1][3])
+                    run.queued = len(calls)
+                except BaseException:
+                    pass  # (MLX queues nothing: the forward's own error is the one to raise)
             run.queue_done = True
             interrupted = None
             while serving.is_alive():  # (a Ctrl-C here still waits for the GPU to be let go)
@@ -439,8 +443,9 @@ class DeviceWait:
             for j, (layer, stack, n, _, readback, guessed) in enumerate(calls):
                 i = self.slot[layer]
                 t0 = time.monotonic_ns()
-                if not self._posted(i, turn, self.timeout_s, lambda: run.stop and j >= run.queued):
-                    raise RuntimeError(f"device wait: the GPU never reached layer slot {i} "
+                if run.stop or not self._posted(i, turn, self.timeout_s, lambda: run.stop):
+                    raise RuntimeError("device wait: the forward stopped" if run.stop else
+                                       f"device wait: the GPU never reached layer slot {i} "
                                        f"(--device-wait off syncs at each router instead)")
                 t1 = time.monotonic_ns()
                 ids = self.ids[i, :n].tolist()
