@@ -558,6 +558,42 @@ def test_a_synced_calls_deferred_misses_are_copied_before_the_forward_is_queued(
     assert pending_at_queue and not any(pending_at_queue)
 
 
+def test_a_failed_deferred_copy_still_sends_the_forward_to_the_gpu(prep_model, monkeypatch):
+    """A synced call's deferred copy fails at the end of a forward with
+    device-path calls: the forward raises the copy's error, but each of its
+    calls still runs (on row 0; none is left to run later with another
+    forward's turn), none waits out its timeout, and the next generation
+    runs clear."""
+    from infer.runtime.device import DeviceWait
+
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    synced = min(store.device.slot)
+    fits = DeviceWait.fits
+    monkeypatch.setattr(DeviceWait, "fits", lambda dw, stack, n: stack.layout.layer != synced and fits(dw, stack, n))
+    fetch, failed = store._fetch, [0]
+
+    def failing(layer, experts, copy):
+        if store._pending and store.device.calls and not failed[0]:
+            failed[0] = 1
+            raise OSError("the disk went away")
+        return fetch(layer, experts, copy)
+
+    monkeypatch.setattr(store, "_fetch", failing)
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    try:
+        with pytest.raises(OSError, match="went away"):
+            list(generate_step(prompt, model, max_tokens=24))
+        assert failed[0] and store.device.calls_seen
+        assert all(c[3] is None for c in store.device.calls_seen)  # all queued
+        assert len(list(generate_step(prompt, model, max_tokens=8))) == 8
+    finally:
+        gpu.close()
+        source.close()
+    assert gpu.timeouts == 0 and not store.device.mail[1]
+
+
 def test_a_post_is_waited_for_without_the_gil():
     """``native.wait_u32`` (the serving thread's wait for a post) sees a word
     another thread stores, gives up after its timeout, and lets Python

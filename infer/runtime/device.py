@@ -436,6 +436,29 @@ class DeviceWait:
                                f"wrong and is not used; --device-wait off syncs at each router "
                                f"instead")
 
+    def abandon(self):
+        """The forward being built raises before it is queued (a synced
+        call's deferred copy failed): each of its calls still runs now, on
+        row 0, so none is left to run later with another forward's turn."""
+        calls, self.calls = self.calls, []
+        if not calls:
+            return
+        turn = self.turn
+        try:
+            for layer, *_ in calls:
+                self.rows[self.slot[layer]] = 0
+                self._grant(self.slot[layer], turn)
+            _queue(calls[-1][3])
+            for layer, *_ in calls:
+                if not self._posted(self.slot[layer], turn, self.timeout_s):
+                    break  # (the GPU never got there: the forward's own error is the one to raise)
+        except BaseException:
+            pass  # (the same)
+        finally:
+            self.turn += 1
+            self.mail[0] = self.turn
+            self.mail[1] = 0
+
     def _serve(self, calls, turn, serve, hint, run):
         """The serving thread: each call in order, once the GPU has posted it."""
         done = 0

@@ -456,7 +456,7 @@ class ExpertStore:
                     s.forget(missed)
             self._pending = []
             if self.device is not None:
-                self.device.calls = []  # (never queued: the forward raises)
+                self.device.abandon()
             raise
         if self.device is not None and self.device.calls:
             self.device.finish(self.serve_device, self.hint)
