@@ -312,6 +312,22 @@ def test_a_failed_read_releases_every_waiting_kernel(prep_model, monkeypatch):
     assert len(gpu.log) == queued > 0
 
 
+def _raises_then_runs_clear(gpu, source, model, tokenizer, store, error):
+    """A generation on the fake GPU raises ``error``: every call built went
+    to the GPU (none is left lazy), none waited out its timeout, and the
+    next generation runs clear; then the GPU stops and the source closes."""
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    try:
+        with pytest.raises(error):
+            list(generate_step(prompt, model, max_tokens=24))
+        assert store.device.calls_seen and all(c[3] is None for c in store.device.calls_seen)
+        assert len(list(generate_step(prompt, model, max_tokens=8))) == 8
+    finally:
+        gpu.close()
+        source.close()
+    assert gpu.timeouts == 0 and not store.device.mail[1]
+
+
 def test_an_interrupt_while_a_forward_is_queued_leaves_no_kernel_waiting(prep_model, monkeypatch):
     """A Ctrl-C inside the queueing of a forward (MLX's async_eval) after
     some of its calls went to the GPU: the rest go to the GPU too (none is
@@ -330,16 +346,7 @@ def test_an_interrupt_while_a_forward_is_queued_leaves_no_kernel_waiting(prep_mo
         queue(y)
 
     monkeypatch.setattr(device, "_queue", interrupted)
-    prompt = mx.array(tokenizer.encode(PROMPT))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            list(generate_step(prompt, model, max_tokens=24))
-        assert all(c[3] is None for c in store.device.calls_seen)  # all queued
-        assert len(list(generate_step(prompt, model, max_tokens=8))) == 8
-    finally:
-        gpu.close()
-        source.close()
-    assert gpu.timeouts == 0 and not store.device.mail[1]
+    _raises_then_runs_clear(gpu, source, model, tokenizer, store, KeyboardInterrupt)
 
 
 def test_a_kernel_that_timed_out_fails_its_forward_only(prep_model, monkeypatch):
@@ -524,20 +531,25 @@ def test_a_layer_called_twice_in_one_forward_syncs_the_second_call(prep_model, m
     assert [ids for _, ids, _, _ in gpu.log] == [list(range(k))]
 
 
+def _with_a_synced_layer(prep_model, monkeypatch):
+    """A fake-GPU session whose first cached layer's calls all sync: (gpu, its session)."""
+    from infer.runtime.device import DeviceWait
+
+    gpu = FakeGPU(monkeypatch)
+    session = _fake_session(prep_model("qwen3_moe"), gpu)
+    synced = min(session[3].device.slot)
+    fits = DeviceWait.fits
+    monkeypatch.setattr(DeviceWait, "fits", lambda dw, stack, n: stack.layout.layer != synced and fits(dw, stack, n))
+    return gpu, session
+
+
 def test_a_synced_calls_deferred_misses_are_copied_before_the_forward_is_queued(prep_model, monkeypatch):
     """A forward with a synced call (here: every call of one layer) among
     device-path calls: the synced call's misses, deferred to the end of the
     forward, are copied in before any of the forward's graph goes to the
     GPU, which would compute that call's experts from rows not written yet
     (on an H100, 2026-12-07, qwen3_next at 15% gave other ids until this)."""
-    from infer.runtime.device import DeviceWait
-
-    prep = prep_model("qwen3_moe")
-    gpu = FakeGPU(monkeypatch)
-    source, model, tokenizer, store = _fake_session(prep, gpu)
-    synced = min(store.device.slot)
-    fits = DeviceWait.fits
-    monkeypatch.setattr(DeviceWait, "fits", lambda dw, stack, n: stack.layout.layer != synced and fits(dw, stack, n))
+    gpu, (source, model, tokenizer, store) = _with_a_synced_layer(prep_model, monkeypatch)
     queue, pending_at_queue = gpu._queue, []
 
     def queue_checked(y):
@@ -564,14 +576,7 @@ def test_a_failed_deferred_copy_still_sends_the_forward_to_the_gpu(prep_model, m
     calls still runs (on row 0; none is left to run later with another
     forward's turn), none waits out its timeout, and the next generation
     runs clear."""
-    from infer.runtime.device import DeviceWait
-
-    prep = prep_model("qwen3_moe")
-    gpu = FakeGPU(monkeypatch)
-    source, model, tokenizer, store = _fake_session(prep, gpu)
-    synced = min(store.device.slot)
-    fits = DeviceWait.fits
-    monkeypatch.setattr(DeviceWait, "fits", lambda dw, stack, n: stack.layout.layer != synced and fits(dw, stack, n))
+    gpu, (source, model, tokenizer, store) = _with_a_synced_layer(prep_model, monkeypatch)
     fetch, failed = store._fetch, [0]
 
     def failing(layer, experts, copy):
@@ -581,17 +586,8 @@ def test_a_failed_deferred_copy_still_sends_the_forward_to_the_gpu(prep_model, m
         return fetch(layer, experts, copy)
 
     monkeypatch.setattr(store, "_fetch", failing)
-    prompt = mx.array(tokenizer.encode(PROMPT))
-    try:
-        with pytest.raises(OSError, match="went away"):
-            list(generate_step(prompt, model, max_tokens=24))
-        assert failed[0] and store.device.calls_seen
-        assert all(c[3] is None for c in store.device.calls_seen)  # all queued
-        assert len(list(generate_step(prompt, model, max_tokens=8))) == 8
-    finally:
-        gpu.close()
-        source.close()
-    assert gpu.timeouts == 0 and not store.device.mail[1]
+    _raises_then_runs_clear(gpu, source, model, tokenizer, store, OSError)
+    assert failed[0]
 
 
 def test_a_post_is_waited_for_without_the_gil():
