@@ -8,7 +8,8 @@ streaming modules use) on one shared daemon. Per request it measures
 
 - request → ready: an arena hit is looked up and pinned by the session alone
   (no message); a miss is a DEMAND and its DEMAND_OK (``client_send`` →
-  ``client_recv`` hop stamps);
+  ``client_recv`` hop stamps), and for a read its hops' p50 (sent → daemon,
+  queued → read, the read, read → reply sent, reply → client);
 - request → MLX array: from the call to ``fetch_into`` until the record is in
   a layer stack's MLX arrays (``LayerStack.copy_in``, the streaming modules'
   own copy), and, beside it, a plain ``numpy.copyto`` of as many bytes.
@@ -41,6 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shared.blob import Manifest, plan_layer, record_checksum  # noqa: E402
 
 QWEN3_30B_EXPERT = 2_654_208
+# a read's hops, as (from, to) hop stamps
+HOPS = [("client_send", "received"), ("queued", "read_start"), ("read_start", "read_end"),
+        ("read_end", "sent"), ("sent", "client_recv")]
 
 
 def build(folder: Path, record_bytes: int, hot: int, cold: int) -> Manifest:
@@ -88,11 +92,13 @@ def _session(model, sock, index, n_sessions, hits, misses, run, barrier, out):
         h = c.hop_log[n]
         read = h["kind"] == "demand" and bool(h["read_start"])
         held = (h["sent"] - h["received"]) / 1e3 if h["kind"] == "demand" else 0.0
+        # a read's hops (µs): sent → daemon, queued → read starts, read, read → reply sent, → client
+        hops = tuple((h[b] - h[a]) / 1e3 for a, b in HOPS) if read else None
         p0 = time.monotonic_ns()
         np.copyto(plain_dst, plain_src[e % len(plain_src)])
         plain = (time.monotonic_ns() - p0) / 1e3
         return ((h["client_recv"] - h["client_send"]) / 1e3, (t1 - t0) / 1e3, read, held,
-                (t1 - h["client_recv"]) / 1e3, plain, h["kind"] == "hit")
+                (t1 - h["client_recv"]) / 1e3, plain, h["kind"] == "hit", hops)
 
     samples = {"hit": [], "miss": []}
     for e in range(hot_l.num_experts):  # warm up; reads back a hot set a previous run evicted
@@ -129,10 +135,13 @@ def measure(model, sock, n, hits, misses, ctx, run=0):
     daemon = {"hit": [], "miss": []}
     copy = {"hit": [], "miss": []}
     plain = {"hit": [], "miss": []}
+    hops = []  # per read: the HOPS' durations
     wrong = arena = 0
     for _, s in results:
         for phase, rows in s.items():
-            for rtt, to_mlx, was_read, held, copied, plain_us, arena_hit in rows:
+            for rtt, to_mlx, was_read, held, copied, plain_us, arena_hit, read_hops in rows:
+                if read_hops is not None:
+                    hops.append(read_hops)
                 kind = "miss" if was_read else "hit"
                 wrong += kind != phase
                 arena += arena_hit and phase == "hit"
@@ -153,6 +162,8 @@ def measure(model, sock, n, hits, misses, ctx, run=0):
         row[f"{kind}_copy_p99_us"] = _pct(copy[kind], 99)
         row[f"{kind}_plain_copy_p50_us"] = _pct(plain[kind], 50)  # numpy.copyto, same bytes
         row[f"{kind}_n"] = len(ready[kind])
+    for (a, b), values in zip(HOPS, zip(*hops) if hops else [()] * len(HOPS)):
+        row[f"read_{a}_to_{b}_p50_us"] = _pct(list(values), 50)
     row["misclassified"] = wrong  # samples whose kind differed from the phase's intent
     row["arena_hits"] = arena  # hit-phase requests served with no message
     return row
