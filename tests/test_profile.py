@@ -318,3 +318,9 @@ def test_ipc_bench_json_schema(tmp_path):
             assert isinstance(row[key], float) and row[key] > 0, (n, key, row)
         assert row["hit_p50_us"] <= row["hit_p99_us"] and row["miss_p50_us"] <= row["miss_p99_us"]
         assert row["hit_n"] + row["miss_n"] == int(n) * 26
+        # a read's hops, each measured, together within its request → ready
+        hops = [row[f"read_{a}_to_{b}_p50_us"] for a, b in
+                [("client_send", "received"), ("queued", "read_start"), ("read_start", "read_end"),
+                 ("read_end", "sent"), ("sent", "client_recv")]]
+        assert all(isinstance(h, float) and h >= 0 for h in hops), (n, hops)
+        assert row["read_read_start_to_read_end_p50_us"] > 0
