@@ -129,11 +129,13 @@ prefill)  # issue 48's prefill target (after `q30`): a long prompt (the corpus's
       --json "$OUT/prefill-$o-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|mode) "
   done ;;
 profile)  # issue 48's host time a streamed layer: `infer run --profile` on q30 (after `q30`) at the
-  # default cache (25%), device wait on (auto) and off; summary.md per layer in each folder
+  # default cache (25%), device wait on (auto) and off; summary.md per layer in each folder.
+  # PREFILL=1: the long prompt of `prefill` instead, 2 tokens (where a long prefill's time goes)
+  prompt="def fibonacci(n):"; [ "${PREFILL:-0}" = 1 ] && prompt=$(head -c ${PROMPT_CHARS:-20000} infer/data/corpus.txt)
   for dw in ${DW:-auto off}; do
     log "profile $dw"
     timeout ${BENCH_S:-200} python3 -m infer.cli run --model "$W/q30" --max-tokens ${TOKENS:-32} --ignore-chat-template \
-      --prompt "def fibonacci(n):" --device-wait $dw --profile "$OUT/prof-$dw" 2>&1 | tail -4
+      --prompt "$prompt" --device-wait $dw --profile "$OUT/prof-$dw" 2>&1 | tail -4
     rm -f "$OUT/prof-$dw/trace.json"
   done ;;
 bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at each budget
