@@ -436,7 +436,7 @@ class Core:
                                   f"{self.cfg.max_queued}", m.layer)
                 break
             r = self.sched.demand(key, s.model, layout, s.id, received)
-            if r.job is not None:  # a prefetch being read: its check goes first now
+            if r.job is not None:  # a prefetch being read: its reader checks it at once
                 r.job.urgent = True
             r.waiters.append(w)
             w.pending += 1

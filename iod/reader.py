@@ -1,6 +1,6 @@
 """The reader pool: threads that pread expert records straight into slot
 memory, bypassing the page cache, and verify each record's checksum (a
-record a demand waits for before prefetched ones).
+record a demand waits for by its reader, at once).
 
 Threads only read and hash; every decision stays with the daemon's main
 thread. Finished jobs go back through a queue, and one byte on a pipe wakes

@@ -445,15 +445,11 @@ class DeviceWait:
             return
         turn = self.turn
         try:
-            for layer, *_ in calls:
-                self.rows[self.slot[layer]] = 0
-                self._grant(self.slot[layer], turn)
+            self._release(calls, turn)
             _queue(calls[-1][3])
-            for layer, *_ in calls:
-                if not self._posted(self.slot[layer], turn, self.timeout_s):
-                    break  # (the GPU never got there: the forward's own error is the one to raise)
+            self._await_posts(calls, turn)
         except BaseException:
-            pass  # (the same)
+            pass  # (the forward's own error is the one to raise)
         finally:
             self.turn += 1
             self.mail[0] = self.turn
@@ -484,20 +480,28 @@ class DeviceWait:
                     hint(guesses)
                 run.served.append((t0, t1, t2, time.monotonic_ns(), hit))
         except BaseException as e:
-            # the forward raises: its waiting layers go on at once (on row 0).
-            # A kernel reads the turn as it starts, so this one stays until
-            # each queued one has posted: one that started after it moved on
-            # would wait for a grant of the next turn, and the next forward
-            # would read its stale post as its own
             run.error, run.failed = e, True
-            for layer, *_ in calls[done:]:
-                self.rows[self.slot[layer]] = 0
-                self._grant(self.slot[layer], turn)
+            self._release(calls[done:], turn)
             while not run.queue_done:
                 time.sleep(1e-4)
-            for layer, *_ in calls[done:run.queued]:
-                if not self._posted(self.slot[layer], turn, self.timeout_s, lambda: False):
-                    break  # (the GPU never got there: the forward's own error is the one to raise)
+            self._await_posts(calls[done:run.queued], turn)
+
+    def _release(self, calls, turn):
+        """The forward raises: ``calls``' kernels go on at once, on row 0."""
+        for layer, *_ in calls:
+            self.rows[self.slot[layer]] = 0
+            self._grant(self.slot[layer], turn)
+
+    def _await_posts(self, calls, turn):
+        """Wait until each of ``calls``' kernels (queued) has posted ``turn``.
+        A kernel reads the turn as it starts, so the turn stays until then:
+        one that started after it moved on would wait for a grant of the
+        next turn, and the next forward would read its stale post as its
+        own. Gives up at the first the GPU never reaches (the forward's own
+        error is the one to raise)."""
+        for layer, *_ in calls:
+            if not self._posted(self.slot[layer], turn, self.timeout_s):
+                break
 
     def _profile(self, calls, run):
         """The spans of the calls served: the wait for each post (compute);

@@ -423,8 +423,9 @@ def summary_markdown(s) -> str:
     h = s.get("all_hit_host_us") or {}
     if h.get("n"):
         lines += ["", f"Device wait: an all-hit call's host work on the token's path (from its "
-                  f"post until the next call's graph was queued, 0 if it was already): p50 {_f(h['p50'])} µs, p90 {_f(h['p90'])} µs, "
-                  f"p99 {_f(h['p99'])} µs over {h['n']} calls."]
+                  f"post until the next call's graph was queued, 0 if it was already): "
+                  f"p50 {_f(h['p50'])} µs, p90 {_f(h['p90'])} µs, p99 {_f(h['p99'])} µs "
+                  f"over {h['n']} calls."]
     meta = s.get("meta") or {}
     if meta.get("layer_calls"):
         lines += ["", "## Path", "", path_line(meta["layer_calls"], meta["device_wait"])
