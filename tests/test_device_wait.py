@@ -627,3 +627,26 @@ def test_a_post_is_waited_for_without_the_gil():
     finally:
         stop[0] = True
         other.join()
+
+
+def test_an_interrupt_while_a_forward_is_built_leaves_no_kernel_waiting(prep_model, monkeypatch):
+    """A Ctrl-C in the graph's build outside any streamed call (a layer's
+    attention) after earlier layers' calls were built: those calls still go
+    to the GPU (none is left for the next forward to queue as its own),
+    none waits out its timeout, and the next generation runs clear."""
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    attn = model.model.layers[-1].self_attn
+    calls = [0]
+
+    class Interrupting(type(attn)):
+        def __call__(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 3:  # the second decode forward, its last layer
+                assert store.device.calls  # (earlier layers' calls are built)
+                raise KeyboardInterrupt
+            return super().__call__(*args, **kwargs)
+
+    attn.__class__ = Interrupting
+    _raises_then_runs_clear(gpu, source, model, tokenizer, store, KeyboardInterrupt)
