@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
-#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|abq30 prefill|decode|abrun|gate|depth|hitsab|ship|tinyspec|overhead|split
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|stackprobe|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|abq30 prefill|decode|abrun|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -137,6 +137,13 @@ profile)  # issue 48's host time a streamed layer: `infer run --profile` on q30 
     timeout ${BENCH_S:-200} python3 -m infer.cli run --model "$W/q30" --max-tokens ${TOKENS:-32} --ignore-chat-template \
       --prompt "$prompt" --device-wait $dw --profile "$OUT/prof-$dw" 2>&1 | tail -4
     rm -f "$OUT/prof-$dw/trace.json"
+  done ;;
+stackprobe)  # a compact stack's make / copy / compute on q30 (after `q30`): whether a long prefill's
+  # new stacks (managed memory once their address is taken) cost the GPU more than kept ones
+  for n in ${EXPERTS:-96 128}; do
+    log "stack_probe $n"
+    timeout ${BENCH_S:-200} python3 scripts/bench/stack_probe.py "$W/q30" --experts $n --tokens ${TOKENS:-2048} \
+      --rounds ${ROUNDS:-5} --json "$OUT/stack-$n.json"
   done ;;
 bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at each budget
   shift
