@@ -109,7 +109,7 @@ def main():
         own = {k: v + 0 for k, v in stack.arrays.items()}  # (computed: MLX's memory)
         mx.eval(list(own.values()))
         row["device"], _ = _ms(lambda: mx.eval(_compute(layout, own, x, idx)))
-        del stack, own
+        stack = own = None  # (this round's stack goes before the next is made)
         if r:
             rounds.append(row)
     mb = n * layout.record_bytes / 1e6
