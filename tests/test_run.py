@@ -149,6 +149,9 @@ def test_python_api_works_with_mlx_lm_generate(synth_model, prep_model, run_dir)
     assert mlx_generate(model, tokenizer, PROMPT, max_tokens=24) == expected
     streamed = "".join(r.text for r in stream_generate(model, tokenizer, PROMPT, max_tokens=24))
     assert streamed == expected
+    # the daemon's core in this process: the same text, no daemon (and no daemon's timeout)
+    model, tokenizer = infer.load(prep, iod="inproc")
+    assert mlx_generate(model, tokenizer, PROMPT, max_tokens=24) == expected
 
 
 def test_run_uses_a_shared_daemon(prep_model, run_dir):

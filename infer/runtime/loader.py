@@ -200,14 +200,17 @@ def load(model_dir, iod="auto", cache_bytes=None, tokenizer_config=None, dtype=N
     The result works unchanged with ``mlx_lm.generate`` and
     ``mlx_lm.stream_generate``. ``dtype``: e.g. ``mx.float32`` to run a
     bfloat16 folder in float32 (much faster on CPUs without fast bfloat16).
+    ``iod``: "auto" (the user's daemon, or a private one), a daemon's socket
+    path, or "inproc" (the daemon's core in this process: no daemon at all).
     ``iod_timeout``: seconds the daemon may stand still before a call raises
     ``infer.runtime.client.DaemonDead`` (a slow disk is waited for).
     """
-    from infer.runtime.source import make_source
+    from infer.runtime.source import INPROC, make_source
 
     check_prep_folder(model_dir)
     if isinstance(dtype, str):
         dtype = getattr(mx, dtype)
-    source = make_source(model_dir, iod, working_set=top_k(model_dir), timeout=iod_timeout)
+    daemon = {} if iod == INPROC else {"timeout": iod_timeout}  # (no daemon to declare dead)
+    source = make_source(model_dir, iod, working_set=top_k(model_dir), **daemon)
     model, tokenizer, _ = load_streaming(model_dir, source, cache_bytes, tokenizer_config, dtype)
     return model, tokenizer
