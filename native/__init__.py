@@ -7,6 +7,7 @@ from ._iodnative import (  # noqa: F401
     copy_regions,
     cuda_available,
     cuda_copy,
+    cuda_prefer_device,
     cuda_device_pointer,
     cuda_register,
     cuda_unregister,
