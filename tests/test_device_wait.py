@@ -18,11 +18,14 @@ from tests.test_streaming import PROMPT, greedy, mlx_reference
 
 CUDA = mx.cuda.is_available()
 ARCHS = [
-    ("qwen3_moe", "affine4"),
-    ("qwen3_next", "affine4"),
-    ("mixtral", "affine4"),
-    ("gpt_oss", "mxfp4"),
-    ("deepseek_v3", "affine4"),
+    ("qwen3_moe", "affine4", "float32"),
+    ("qwen3_next", "affine4", "float32"),
+    ("mixtral", "affine4", "float32"),
+    ("gpt_oss", "mxfp4", "float32"),
+    # in float32 stock mlx-lm does not run it on MLX CUDA ("[quantized_matmul]
+    # No implementation for problem shape: 20x32x64x4 ... activation: float32",
+    # an H100, 2026-12-07); a real checkpoint is bfloat16
+    ("deepseek_v3", "affine4", "bfloat16"),
 ]
 
 
@@ -39,10 +42,10 @@ def test_the_device_wait_is_off_where_the_backend_has_none(prep_model):
 
 
 @pytest.mark.skipif(not CUDA, reason="MLX CUDA only")
-@pytest.mark.parametrize("arch,quant", ARCHS)
-def test_device_wait_gives_mlx_lm_greedy_ids(arch, quant, synth_model, prep_model):
-    prep = prep_model(arch, quant=quant)
-    ids, expected = mlx_reference(synth_model(arch, quant=quant))
+@pytest.mark.parametrize("arch,quant,dtype", ARCHS)
+def test_device_wait_gives_mlx_lm_greedy_ids(arch, quant, dtype, synth_model, prep_model):
+    prep = prep_model(arch, quant=quant, dtype=dtype)
+    ids, expected = mlx_reference(synth_model(arch, quant=quant, dtype=dtype))
     for fraction in (0.15, 0.5):
         for device_wait in (True, False):
             source = InprocSource(prep, arena=64 << 20)
