@@ -528,8 +528,9 @@ static PyObject *cuda_prefer_device(PyObject *self, PyObject *args) {
     if (cuda_runtime_version(&version) || cuda_get_device(&dev)) { clear_cuda_error(); Py_RETURN_FALSE; }
     make_copy_stream();
     void *p = (void *)(intptr_t)addr, *stream = copy_stream;
+    /* not under copy_lock: were the driver to wait here for the GPU, the copy
+     * a kernel waits for (infer.runtime.device) must not wait for the lock */
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&copy_lock);
     if (version >= 13000) {
         mem_location loc = {1 /* cudaMemLocationTypeDevice */, dev};
         rc = ((advise13_fn)cuda_mem_advise)(p, (size_t)n, 3 /* SetPreferredLocation */, loc);
@@ -539,7 +540,6 @@ static PyObject *cuda_prefer_device(PyObject *self, PyObject *args) {
         if (rc == 0) rc = ((prefetch12_fn)cuda_mem_prefetch)(p, (size_t)n, dev, stream);
     }
     if (rc) clear_cuda_error();
-    pthread_mutex_unlock(&copy_lock);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(rc == 0);
 }
