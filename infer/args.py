@@ -159,11 +159,11 @@ def add_sampling(p, max_tokens=100, serve=False, no_limit=False):
 
 
 def add_device_wait(p):
-    """--device-wait: ``args.device_wait`` is True for auto."""
-    p.add_argument("--device-wait", choices=("auto", "off"), default="auto",
-                   help="decode calls find their experts on the GPU and wait there for misses "
-                        "(auto: where the backend has it, MLX CUDA or Metal, and its kernel passes a check at "
-                        "load), or sync at each router (off)")
+    """--device-wait: "auto", "on" or "off" (``infer.runtime.device.wanted``)."""
+    p.add_argument("--device-wait", choices=("auto", "on", "off"), default="auto",
+                   help="decode calls find their experts on the GPU and wait there for misses, where "
+                        "the backend has it and its kernel passes a check at load (on: MLX CUDA or Metal; "
+                        "auto: Metal only, as MLX CUDA hung with it on an H100), or sync at each router (off)")
 
 
 def add_prefill(p, default="layer-major", more=""):

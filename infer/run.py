@@ -671,7 +671,7 @@ def generate(args, source, manifest, prompt, cache_bytes, plan=None, adapter=Non
     model, tokenizer, store = load_streaming(args.model, source, cache_bytes, dtype=dtype,
                                              group=group(), mtp_cache=drafts_with_mtp(args.draft, args.model),
                                              capacity=plan.capacity if plan is not None else None,
-                                             device_wait=args.device_wait == "auto")
+                                             device_wait=args.device_wait)
     at_load = dict(store.stats)  # the preload's
     if plan is not None:
         budget.release_page_cache(args.model)

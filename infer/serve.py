@@ -544,7 +544,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         model, tokenizer, store = load_streaming(
             model_path, self.source, self.cache_bytes, self._tokenizer_config,
             dtype=mx_dtype(self.cli_args.dtype), group=group(), capacity=self.capacity,
-            device_wait=self.cli_args.device_wait == "auto")
+            device_wait=self.cli_args.device_wait)
         if self.cli_args.mem_budget is not None:
             from infer.runtime.budget import release_page_cache
 

@@ -482,6 +482,45 @@ def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, 
         source.close()
 
 
+def test_auto_leaves_mlx_cuda_synced_and_on_tries_it(prep_model, monkeypatch, capsys):
+    """``--device-wait auto`` builds no kernel on MLX CUDA (there the serving
+    thread hung on an H100) and says nothing; ``on`` tries it (here its
+    kernel does not build, so the session syncs and one line says why);
+    on Metal auto tries it; off never does; the CPU has none."""
+    import mmap
+
+    from infer.runtime.device import DeviceWait, wanted
+
+    assert [wanted(m, "cuda") for m in ("auto", "on", "off")] == [False, True, False]
+    assert [wanted(m, "metal") for m in ("auto", "on", "off")] == [True, True, False]
+    assert not any(wanted(m, None) for m in ("auto", "on", "off"))
+    prep = prep_model("qwen3_moe")
+    source = InprocSource(prep, arena=64 << 20)
+    try:
+        _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
+                                     device_wait=False)
+        built = []
+
+        def refused(**kw):
+            built.append(kw["name"])
+
+            def kernel(**call):
+                raise RuntimeError("no kernel image is available for execution on the device")
+            return kernel
+
+        monkeypatch.setattr(device, "backend", lambda: "cuda")
+        monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
+        monkeypatch.setattr(mx.fast, "cuda_kernel", refused, raising=False)
+        assert DeviceWait.make(store, "auto") is None and built == []
+        assert capsys.readouterr().err == ""
+        assert DeviceWait.make(store, "on") is None and built == ["iod_device_wait"]
+        assert capsys.readouterr().err.strip() == (
+            "infer: no device wait on this cuda GPU (no kernel image is available for execution on "
+            "the device); streamed calls sync at their routers")
+    finally:
+        source.close()
+
+
 def test_a_kernel_that_fails_at_load_is_named_and_the_session_syncs(prep_model, monkeypatch, capsys):
     """A backend whose kernel does not build (here: Metal's compiler
     refuses it) gives no device wait and one line on stderr saying why."""

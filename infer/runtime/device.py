@@ -162,10 +162,22 @@ def path_line(calls, device_wait) -> str:
                 f"waited there for misses (device wait), {calls['synced']} synced at their router")
     else:
         line = (f"Streamed layers: {calls['synced']} calls synced at their router (no device wait: "
-                f"it needs MLX CUDA or Metal, --device-wait auto, and a kernel that passes its check at load)")
+                f"it needs Metal with --device-wait auto, or MLX CUDA or Metal with --device-wait on, "
+                f"and a kernel that passes its check at load)")
     if calls["whole"]:
         line += f", {calls['whole']} ran as whole layers (no sync)"
     return line
+
+
+def wanted(mode, kind) -> bool:
+    """Whether a session of ``--device-wait`` ``mode`` ("auto", "on", "off")
+    tries the device wait on backend ``kind`` ("cuda", "metal", None).
+    "auto" leaves MLX CUDA synced: there, on an H100 (2026-12-07), the first
+    forward hung with the serving thread inside its copy (cudaMemcpyAsync)
+    while the queueing thread was inside MLX's async_eval, so a CUDA call
+    of the serving thread may wait for the GPU that waits for it. On Metal
+    the serving thread makes no GPU call (unified memory: host copies)."""
+    return kind is not None and (mode == "on" or (mode == "auto" and kind == "metal"))
 
 
 def backend():
@@ -268,12 +280,13 @@ class DeviceWait:
         self.timeout_s = TIMEOUT_NS / 1e9
 
     @classmethod
-    def make(cls, store):
-        """A DeviceWait for ``store``'s cached layers where this backend has
-        one (MLX CUDA or Metal, records copied in place) and its kernel
-        passes its check here, else None (one line on stderr says why)."""
+    def make(cls, store, mode="auto"):
+        """A DeviceWait for ``store``'s cached layers where ``mode`` wants
+        one on this backend (``wanted``: MLX CUDA or Metal, records copied in
+        place) and its kernel passes its check here, else None (one line on
+        stderr says why its kernel did not)."""
         kind = backend()
-        if kind is None:
+        if not wanted(mode, kind):
             return None
         try:
             dw = cls(store, store.cached, kind)

@@ -101,7 +101,7 @@ def cast_model(model, dtype):
 
 
 def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, dtype=None,
-                   preload=True, group=None, mtp_cache=False, capacity=None, device_wait=True):
+                   preload=True, group=None, mtp_cache=False, capacity=None, device_wait="auto"):
     """(model, tokenizer, store) for a prep folder, experts from ``source``.
 
     ``dtype`` (an ``mx.Dtype``, or None for the folder's own): the resident
@@ -117,7 +117,8 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     ``cache_bytes`` is split over the layers (``budget.split_cache``), where a
     ``usage.json`` says whole layers pay, with those. ``device_wait``: a
     decode call finds its experts on the GPU and waits there for its misses
-    where the backend allows (``infer.runtime.device``; MLX CUDA)."""
+    ("auto", "on", "off", or True / False for on / off:
+    ``infer.runtime.device.wanted``)."""
     model_dir = Path(model_dir)
     manifest, calibration, usage = read_prep_folder(model_dir)
     if group is not None:
@@ -131,8 +132,9 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
                         usage=usage, top_k=top_k(model_dir), capacity=capacity)
     store.dtype = dtype
     store.prefetcher.set_disk(model_dir)
-    if device_wait and group is None:
-        store.device = DeviceWait.make(store)
+    mode = {True: "on", False: "off"}.get(device_wait, device_wait)
+    if mode != "off" and group is None:
+        store.device = DeviceWait.make(store, mode)
     if store.device is None and \
             any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):
         # A streamed layer syncs at its router (no device wait). On an NVIDIA H200

@@ -304,7 +304,7 @@ def worker(args) -> dict:
         depth = 0 if mode == "sync" else args.depth
         model, tokenizer, store = load_streaming(args.model, None, cache_bytes, dtype=mx_dtype(args.dtype),
                                                  mtp_cache=drafts_with_mtp(args.draft, args.model), group=g,
-                                                 device_wait=args.device_wait == "auto")
+                                                 device_wait=args.device_wait)
         store.prefetcher.depth = depth
         if args.hits_first != "auto":
             store.hits_first = args.hits_first == "on"

@@ -109,7 +109,7 @@ dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `
     tests/test_device_wait.py tests/test_prefill.py 2>&1 | tail -6 | tee "$OUT/tests.txt"; }
   tr=; [ -f "${TRACE:-.gpu/traces/qwen.route.csv}" ] && tr="--routing-trace ${TRACE:-.gpu/traces/qwen.route.csv}"
   for b in ${*:-0.5 0.25 0.1}; do
-    for dw in ${DW:-auto off auto off}; do
+    for dw in ${DW:-on off on off}; do
       log "bench $b device-wait $dw"
       # (a hang leaves every thread's stack in the log: ABRT, faulthandler)
       log=$OUT/dwait-$b-$dw-$(date +%s)
@@ -129,10 +129,10 @@ prefill)  # issue 48's prefill target (after `q30`): a long prompt (the corpus's
       --json "$OUT/prefill-$o-$(date +%s).json" 2>&1 | grep -E "^(iod|resident|mode) "
   done ;;
 profile)  # issue 48's host time a streamed layer: `infer run --profile` on q30 (after `q30`) at the
-  # default cache (25%), device wait on (auto) and off; summary.md per layer in each folder.
+  # default cache (25%), device wait on and off; summary.md per layer in each folder.
   # PREFILL=1: the long prompt of `prefill` instead, 2 tokens (where a long prefill's time goes)
   prompt="def fibonacci(n):"; [ "${PREFILL:-0}" = 1 ] && prompt=$(head -c ${PROMPT_CHARS:-20000} infer/data/corpus.txt)
-  for dw in ${DW:-auto off}; do
+  for dw in ${DW:-on off}; do
     log "profile $dw"
     timeout ${BENCH_S:-200} python3 -m infer.cli run --model "$W/q30" --max-tokens ${TOKENS:-32} --ignore-chat-template \
       --prompt "$prompt" --device-wait $dw --profile "$OUT/prof-$dw" 2>&1 | tail -4
