@@ -8,7 +8,6 @@ from ._iodnative import (  # noqa: F401
     cuda_available,
     cuda_copy,
     cuda_device_pointer,
-    cuda_prefer_device,
     cuda_register,
     cuda_unregister,
     load_u32,

@@ -365,13 +365,6 @@ typedef int (*stream_sync_fn)(void *);
 typedef int (*host_alloc_fn)(void **, size_t, unsigned int);
 typedef int (*last_error_fn)(void);
 typedef int (*device_pointer_fn)(void **, void *, unsigned int);
-typedef int (*int_out_fn)(int *);
-/* managed memory placement: CUDA 13 takes a location, 12 a device number */
-typedef struct { int type; int id; } mem_location; /* cudaMemLocation */
-typedef int (*advise13_fn)(const void *, size_t, int, mem_location);
-typedef int (*advise12_fn)(const void *, size_t, int, int);
-typedef int (*prefetch13_fn)(const void *, size_t, mem_location, unsigned int, void *);
-typedef int (*prefetch12_fn)(const void *, size_t, int, void *);
 static memcpy_fn cuda_memcpy;
 static memcpy_async_fn cuda_memcpy_async;
 static register_fn cuda_host_register;
@@ -381,8 +374,6 @@ static stream_sync_fn cuda_stream_sync;
 static host_alloc_fn cuda_host_alloc;
 static last_error_fn cuda_get_last_error;
 static device_pointer_fn cuda_host_device_pointer;
-static int_out_fn cuda_runtime_version, cuda_get_device;
-static void *cuda_mem_advise, *cuda_mem_prefetch; /* advise13_fn / advise12_fn, by version */
 static int cuda_state; /* 0 not tried, 1 loaded, -1 absent */
 static void *copy_stream; /* created on first use, never destroyed */
 static char *staging;     /* pinned, STAGING_BYTES, allocated on first use */
@@ -407,10 +398,6 @@ static int cuda_load(void) {
         cuda_host_alloc = (host_alloc_fn)dlsym(h, "cudaHostAlloc");
         cuda_get_last_error = (last_error_fn)dlsym(h, "cudaGetLastError");
         cuda_host_device_pointer = (device_pointer_fn)dlsym(h, "cudaHostGetDevicePointer");
-        cuda_runtime_version = (int_out_fn)dlsym(h, "cudaRuntimeGetVersion");
-        cuda_get_device = (int_out_fn)dlsym(h, "cudaGetDevice");
-        cuda_mem_advise = dlsym(h, "cudaMemAdvise");
-        cuda_mem_prefetch = dlsym(h, "cudaMemPrefetchAsync");
     }
     cuda_state = (cuda_memcpy && cuda_host_register && cuda_host_unregister) ? 1 : -1;
     return cuda_state > 0;
@@ -498,52 +485,6 @@ static int copy_queued(void *stream, char *stage, const char *src, const int64_t
     return rc ? rc : wait;
 }
 
-/* The copies' stream, made once, with the GIL held; the copies take
- * copy_lock (one stream, one staging buffer). */
-static void make_copy_stream(void) {
-    if (cuda_memcpy_async && cuda_stream_create && cuda_stream_sync && !stream_tried) {
-        void *s = NULL;
-        stream_tried = 1;
-        if (cuda_stream_create(&s, 1u /* cudaStreamNonBlocking */) == 0) copy_stream = s;
-        else clear_cuda_error();
-    }
-}
-
-/* cuda_prefer_device(address, nbytes) -> bool: keep a range of MLX's
- * managed memory (an array whose address was taken: MLX moves it to managed
- * memory for that) on the GPU. Advised to prefer the current device, and
- * moved there now on the copies' stream, so the copies into it land in
- * device memory and a kernel reading it takes no page faults (a new array's
- * pages are otherwise placed by first touch, which may be the host's).
- * False where CUDA refuses (not managed memory, no such call): the range
- * stays as it was. (Stacks in device memory of our own are not possible:
- * MLX 0.32.4 neither imports nor exports CUDA memory through DLPack.) */
-static PyObject *cuda_prefer_device(PyObject *self, PyObject *args) {
-    long long addr, n;
-    if (!PyArg_ParseTuple(args, "LL", &addr, &n)) return NULL;
-    if (!cuda_load() || !cuda_runtime_version || !cuda_get_device || !cuda_mem_advise
-            || !cuda_mem_prefetch || addr == 0 || n <= 0)
-        Py_RETURN_FALSE;
-    int version = 0, dev = 0, rc;
-    if (cuda_runtime_version(&version) || cuda_get_device(&dev)) { clear_cuda_error(); Py_RETURN_FALSE; }
-    make_copy_stream();
-    void *p = (void *)(intptr_t)addr, *stream = copy_stream;
-    /* not under copy_lock: were the driver to wait here for the GPU, the copy
-     * a kernel waits for (infer.runtime.device) must not wait for the lock */
-    Py_BEGIN_ALLOW_THREADS
-    if (version >= 13000) {
-        mem_location loc = {1 /* cudaMemLocationTypeDevice */, dev};
-        rc = ((advise13_fn)cuda_mem_advise)(p, (size_t)n, 3 /* SetPreferredLocation */, loc);
-        if (rc == 0) rc = ((prefetch13_fn)cuda_mem_prefetch)(p, (size_t)n, loc, 0u, stream);
-    } else {
-        rc = ((advise12_fn)cuda_mem_advise)(p, (size_t)n, 3 /* SetPreferredLocation */, dev);
-        if (rc == 0) rc = ((prefetch12_fn)cuda_mem_prefetch)(p, (size_t)n, dev, stream);
-    }
-    if (rc) clear_cuda_error();
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(rc == 0);
-}
-
 /* cuda_copy(src, plan, pinned) -> bytes copied. plan: int64 rows of
  * (destination address, source offset in src, nbytes); destinations are
  * device (or managed) addresses the caller took from its MLX arrays;
@@ -569,7 +510,14 @@ static PyObject *cuda_copy(PyObject *self, PyObject *args) {
         total += n;
     }
     int rc = 0;
-    make_copy_stream();
+    /* set up once, with the GIL held; the copies take copy_lock (one stream,
+     * one staging buffer) */
+    if (cuda_memcpy_async && cuda_stream_create && cuda_stream_sync && !stream_tried) {
+        void *s = NULL;
+        stream_tried = 1;
+        if (cuda_stream_create(&s, 1u /* cudaStreamNonBlocking */) == 0) copy_stream = s;
+        else clear_cuda_error();
+    }
     if (copy_stream && !pinned && cuda_host_alloc && !staging_tried) {
         void *p = NULL;
         staging_tried = 1;
@@ -689,7 +637,6 @@ static PyMethodDef methods[] = {
     {"cuda_unregister", cuda_unregister, METH_VARARGS, "Unpin a host mapping (CUDA)."},
     {"cuda_device_pointer", cuda_device_pointer, METH_VARARGS, "A registered buffer's device address (CUDA)."},
     {"cuda_copy", cuda_copy, METH_VARARGS, "Copy a plan of regions to the device without the GIL (queued on one stream)."},
-    {"cuda_prefer_device", cuda_prefer_device, METH_VARARGS, "Keep a managed range on the GPU (CUDA)."},
     {"address", address, METH_VARARGS, "The address of a buffer's first byte."},
     {"pread_full", pread_full, METH_VARARGS, "pread into a buffer without the GIL."},
     {"shm_create", shm_create, METH_VARARGS, "Create a 0600 POSIX shm segment."},

@@ -110,13 +110,9 @@ class LayerStack(Placement):
         self.kinds = [_copy_kind(s, cast, self.mode) for s in layout.segments]
         self.in_place = all(kind is not None for kind in self.kinds)
         # the arrays' addresses: valid while the stack holds them (it never
-        # replaces an array it writes in place). Taking them moves the arrays
-        # to MLX's managed memory, kept on the GPU from here on
-        self._addr = None
-        if self.mode == "cuda":
-            self._addr = [native.address(a) for a in self.arrays.values()]
-            for addr, a in zip(self._addr, self.arrays.values()):
-                native.cuda_prefer_device(addr, a.nbytes)
+        # replaces an array it writes in place)
+        self._addr = [native.address(a) for a in self.arrays.values()] \
+            if self.mode == "cuda" else None
         self.table_stale = True  # placement changed since the device table was written
 
     def assign(self, missing, keep):

@@ -6,18 +6,15 @@ usage: scripts/bench/stack_probe.py PREP [--layer L] [--experts N] [--tokens T] 
 A long prefill's call of a streamed layer copies its misses into a compact
 stack made for that call (``ExpertStore._gather``). On MLX CUDA a stack's
 arrays move to managed memory when their address is taken for the copies
-(MLX's ``move_to_unified_memory``), and a LayerStack asks for them to be
-kept on the GPU (``native.cuda_prefer_device``); without that a new
-stack's pages would be placed where they are first touched. This times,
-for N experts of layer L (records read from the blob into a buffer,
-registered as pinned host memory where CUDA is there), the median over R
-rounds of:
+(MLX's ``move_to_unified_memory``), so a new stack's pages may first be
+touched by the copy engine or by the kernel. This times, for N experts of
+layer L (records read from the blob into a buffer, registered as pinned
+host memory where CUDA is there), the median over R rounds of:
 
-- ``make``: a new LayerStack (zeros, evaluated, addresses taken, kept on the GPU);
+- ``make``: a new LayerStack (zeros, evaluated, addresses taken);
 - ``copy``: its records copied in (``LayerStack.copy_in``);
 - ``first`` / ``again``: gather_qmm of T tokens (top k of the layer's
   experts, over the N) on the new stack, then once more;
-- ``plain *``: the same four for a stack not asked to stay on the GPU;
 - ``kept``: the same compute on a stack made once and filled each round;
 - ``device``: on a copy of the stack that MLX made (its own memory).
 
@@ -100,19 +97,13 @@ def main():
     mx.eval(x, idx)
 
     kept = LayerStack(layout, n)
-    prefer = native.cuda_prefer_device
     rounds = []
     for r in range(a.rounds + 1):  # round 0 builds the kernels, not kept
         row = {}
-        for name, keep in (("", prefer), ("plain ", lambda addr, nbytes: False)):
-            native.cuda_prefer_device = keep
-            try:
-                row[name + "make"], stack = _ms(lambda: LayerStack(layout, n))
-            finally:
-                native.cuda_prefer_device = prefer
-            row[name + "copy"], _ = _ms(lambda: stack.copy_in(batch, list(range(n))))
-            row[name + "first"], _ = _ms(lambda: mx.eval(_compute(layout, stack.arrays, x, idx)))
-            row[name + "again"], _ = _ms(lambda: mx.eval(_compute(layout, stack.arrays, x, idx)))
+        row["make"], stack = _ms(lambda: LayerStack(layout, n))
+        row["copy"], _ = _ms(lambda: stack.copy_in(batch, list(range(n))))
+        row["first"], _ = _ms(lambda: mx.eval(_compute(layout, stack.arrays, x, idx)))
+        row["again"], _ = _ms(lambda: mx.eval(_compute(layout, stack.arrays, x, idx)))
         kept.copy_in(batch, list(range(n)))
         row["kept"], _ = _ms(lambda: mx.eval(_compute(layout, kept.arrays, x, idx)))
         own = {k: v + 0 for k, v in stack.arrays.items()}  # (computed: MLX's memory)
@@ -126,8 +117,8 @@ def main():
           f"{n} experts ({mb:.0f} MB), {a.tokens} tokens, top {a.top_k}; median of {a.rounds} rounds")
     for step in rounds[0]:
         v = [row[step] for row in rounds]
-        extra = f"  ({mb / statistics.median(v):.1f} GB/s)" if step.endswith("copy") else ""
-        print(f"  {step:11s} {statistics.median(v):9.2f} ms  [{min(v):.2f}-{max(v):.2f}]{extra}")
+        extra = f"  ({mb / statistics.median(v):.1f} GB/s)" if step == "copy" else ""
+        print(f"  {step:7s} {statistics.median(v):9.2f} ms  [{min(v):.2f}-{max(v):.2f}]{extra}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": str(mx.default_device()), "mode": kept.mode, "pinned": pinned,

@@ -1,9 +1,7 @@
 /* A stand-in for libcudart with host memory (tests/test_cuda_copy.py): the
  * functions native.cuda_copy loads, with cudaMemcpyAsync run only when its
  * stream is synchronized, as a real DMA may be, so a copy that reused its
- * source before waiting would deliver the wrong bytes; and the managed
- * memory calls of native.cuda_prefer_device, in CUDA 13's signatures or,
- * built with -DFAKE_CUDA12, CUDA 12's. */
+ * source before waiting would deliver the wrong bytes. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,40 +69,3 @@ int cudaGetLastError(void) {
 int cudaHostUnregister(void *p) { return 0; }
 
 void fake_stats(int64_t *out) { memcpy(out, stats, sizeof stats); }
-
-/* managed memory placement: the last advice and prefetch, as
- * (address, bytes, advice or flags, location type, device, stream) */
-static int64_t advised[6], prefetched[6];
-typedef struct { int type; int id; } mem_location;
-
-int cudaGetDevice(int *dev) { *dev = 3; return 0; }
-
-#ifdef FAKE_CUDA12
-int cudaRuntimeGetVersion(int *v) { *v = 12040; return 0; }
-int cudaMemAdvise(const void *p, size_t n, int advice, int dev) {
-    if (getenv("FAKE_REFUSE")) { stats[6] = 1; return 1; }
-    int64_t a[6] = {(int64_t)(intptr_t)p, (int64_t)n, advice, -1, dev, 0};
-    memcpy(advised, a, sizeof a);
-    return 0;
-}
-int cudaMemPrefetchAsync(const void *p, size_t n, int dev, void *stream) {
-    int64_t a[6] = {(int64_t)(intptr_t)p, (int64_t)n, 0, -1, dev, stream == (void *)&stats};
-    memcpy(prefetched, a, sizeof a);
-    return 0;
-}
-#else
-int cudaRuntimeGetVersion(int *v) { *v = 13000; return 0; }
-int cudaMemAdvise(const void *p, size_t n, int advice, mem_location loc) {
-    if (getenv("FAKE_REFUSE")) { stats[6] = 1; return 1; }
-    int64_t a[6] = {(int64_t)(intptr_t)p, (int64_t)n, advice, loc.type, loc.id, 0};
-    memcpy(advised, a, sizeof a);
-    return 0;
-}
-int cudaMemPrefetchAsync(const void *p, size_t n, mem_location loc, unsigned int flags, void *stream) {
-    int64_t a[6] = {(int64_t)(intptr_t)p, (int64_t)n, flags, loc.type, loc.id, stream == (void *)&stats};
-    memcpy(prefetched, a, sizeof a);
-    return 0;
-}
-#endif
-
-void fake_placement(int64_t *out) { memcpy(out, advised, sizeof advised); memcpy(out + 6, prefetched, sizeof prefetched); }
