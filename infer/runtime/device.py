@@ -31,9 +31,10 @@ host memory the kernel reaches by address) and Metal (``mx.fast.metal_kernel``;
 they are MLX arrays in the unified memory both sides see, and the kernel
 reads and writes them with system-scope fences on coherent(system) memory,
 as MLX's own fence_wait / fence_update kernels do). The CUDA path is
-measured (docs/status.md); the Metal one is built by the same host code,
-tested on the CPU with its memory, and not run: a kernel that does not
-build or pass its check at load leaves the session synced."""
+measured (docs/status.md) and, since its serving thread hung there, runs
+only when asked for (``wanted``); the Metal one is built by the same host
+code, tested on the CPU with its memory, and not run: a kernel that does
+not build or pass its check at load leaves the session synced."""
 
 import mmap
 import sys
