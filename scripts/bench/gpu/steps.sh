@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One step of a benchmark run on an NVIDIA GPU machine (see docs/benchmarks.md, "GPU"):
-#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|stackprobe|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|abq30 prefill|decode|abrun|gate|depth|hitsab|ship|tinyspec|overhead|split
+#   scripts/bench/gpu/steps.sh setup|unpack|synth|warm|pair|q30|q30trace [budgets...]|dwait [budgets...]|prefill|profile|stackprobe|hang|bench14 [budgets...]|train|prep|trained|budgets|spec|ab|abq30 prefill|decode|abrun|gate|depth|hitsab|ship|tinyspec|overhead|split
 # Results go to /root/res/STEP and come back packed as $OUT/STEP.tgz, repacked
 # before each sub-step (the device tool returns only a few files a call, and
 # nothing a call killed at its time limit had not packed yet).
@@ -145,6 +145,17 @@ stackprobe)  # a compact stack's make / copy / compute on q30 (after `q30`): whe
     timeout ${BENCH_S:-200} python3 scripts/bench/stack_probe.py "$W/q30" --experts $n --tokens ${TOKENS:-2048} \
       --rounds ${ROUNDS:-5} --json "$OUT/stack-$n.json"
   done ;;
+hang)  # the device wait's hang on MLX CUDA (docs/runtime.md): `infer run --device-wait on` on q30 (after
+  # `q30`), and after HANG_S seconds every thread's Python and native stack (py-spy, from .gpu/w2)
+  python3 -m infer.cli run --model "$W/q30" --max-tokens 4 --prompt "Hello" --device-wait on \
+    > "$OUT/run.txt" 2>&1 & pid=$!
+  sleep ${HANG_S:-60}
+  if kill -0 $pid 2>/dev/null; then
+    log "py-spy dump"; /tmp/site/bin/py-spy dump --native --pid $pid > "$OUT/stacks.txt" 2>&1
+    grep -E "Thread|cuda|mlx|async_eval|copy" "$OUT/stacks.txt" | head -60; kill -9 $pid
+  else
+    echo "no hang: $(grep -E '^Generation|Streamed layers' "$OUT/run.txt")"
+  fi ;;
 bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at each budget
   shift
   budgets=${*:-1.0 0.25 0.1 0.5}
