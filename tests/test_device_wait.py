@@ -47,15 +47,16 @@ def test_device_wait_gives_mlx_lm_greedy_ids(arch, quant, dtype, synth_model, pr
     prep = prep_model(arch, quant=quant, dtype=dtype)
     ids, expected = mlx_reference(synth_model(arch, quant=quant, dtype=dtype))
     for fraction in (0.15, 0.5):
-        for device_wait in (True, False):
+        for device_wait in ("on", "off"):
             source = InprocSource(prep, arena=64 << 20)
             try:
                 model, _, store = load_streaming(prep, source,
                                                  int(source.manifest.expert_bytes * fraction),
                                                  device_wait=device_wait)
-                assert (store.device is not None) == device_wait
+                on = device_wait == "on"
+                assert (store.device is not None) == on
                 assert greedy(model, ids) == expected, f"{arch} {fraction} device wait {device_wait}"
-                assert (store.stats["device_calls"] > 0) == device_wait
+                assert (store.stats["device_calls"] > 0) == on
                 assert store.stats["misses"] > 0
             finally:
                 source.close()
@@ -221,7 +222,7 @@ def _fake_session(prep, gpu, fraction=0.15, backend="cuda"):
 
     source = InprocSource(prep, arena=64 << 20)
     model, tokenizer, store = load_streaming(prep, source, int(source.manifest.expert_bytes * fraction),
-                                             device_wait=False)
+                                             device_wait="off")
     gpu.store = store
     store.device = DeviceWait(store, store.cached, backend)
     gpu.watch(store)
@@ -426,7 +427,7 @@ def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, 
     source = InprocSource(prep, arena=64 << 20)
     try:
         _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
-                                     device_wait=False)
+                                     device_wait="off")
         monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
         for broken in (None, "no guesses", "no wait"):
             made, runs = [], {}
@@ -498,7 +499,7 @@ def test_auto_leaves_mlx_cuda_synced_and_on_tries_it(prep_model, monkeypatch, ca
     source = InprocSource(prep, arena=64 << 20)
     try:
         _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
-                                     device_wait=False)
+                                     device_wait="off")
         built = []
 
         def refused(**kw):
@@ -530,7 +531,7 @@ def test_a_kernel_that_fails_at_load_is_named_and_the_session_syncs(prep_model, 
     source = InprocSource(prep, arena=64 << 20)
     try:
         _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
-                                     device_wait=False)
+                                     device_wait="off")
 
         def refused(**kw):
             def kernel(**call):

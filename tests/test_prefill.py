@@ -47,7 +47,7 @@ def test_layer_major_prefill_gives_mlx_lm_greedy_ids_and_reads_less(arch, quant,
         source = InprocSource(prep, arena=64 << 20)
         try:
             model, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
-                                             device_wait=False)
+                                             device_wait="off")
             store.reset()  # a cold cache: the prefill reads what it needs
             store.reset_stats()
             assert _greedy_after(model, store, ids, order) == expected, (arch, order)
@@ -77,7 +77,7 @@ def test_a_model_that_reads_a_later_layers_cache_at_its_start(prep_model, monkey
     monkeypatch.setattr(layer_major.Lockstep, "_step", counting)
     try:
         model, tokenizer, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
-                                                 device_wait=False)
+                                                 device_wait="off")
         if model.model.fa_idx == 0:
             pytest.skip("this model's first layer has full attention")
         ids = tokenizer.encode(LONG)

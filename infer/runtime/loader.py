@@ -117,8 +117,7 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
     ``cache_bytes`` is split over the layers (``budget.split_cache``), where a
     ``usage.json`` says whole layers pay, with those. ``device_wait``: a
     decode call finds its experts on the GPU and waits there for its misses
-    ("auto", "on", "off", or True / False for on / off:
-    ``infer.runtime.device.wanted``)."""
+    ("auto", "on" or "off": ``infer.runtime.device.wanted``)."""
     model_dir = Path(model_dir)
     manifest, calibration, usage = read_prep_folder(model_dir)
     if group is not None:
@@ -132,9 +131,8 @@ def load_streaming(model_dir, source, cache_bytes=None, tokenizer_config=None, d
                         usage=usage, top_k=top_k(model_dir), capacity=capacity)
     store.dtype = dtype
     store.prefetcher.set_disk(model_dir)
-    mode = {True: "on", False: "off"}.get(device_wait, device_wait)
-    if mode != "off" and group is None:
-        store.device = DeviceWait.make(store, mode)
+    if group is None:
+        store.device = DeviceWait.make(store, device_wait)
     if store.device is None and \
             any(store.capacity.get(l, 0) < store.layouts[l].num_experts for l in store.cached):
         # A streamed layer syncs at its router (no device wait). On an NVIDIA H200
