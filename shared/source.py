@@ -86,6 +86,7 @@ class ExpertSource(abc.ABC):
             entry += l.num_experts
         self.layer_calls = 0  # layer calls so far: prefetches say when they are due
         self._cuda_pinned = None  # None: not tried; then whether cudaHostRegister took it
+        self.cuda_address = 0  # where a kernel reads the pinned arena; 0 while it is not pinned
 
     def _reset_counters(self):
         self.counters = dict.fromkeys(
@@ -205,9 +206,12 @@ class ExpertSource(abc.ABC):
         DMA speed), once; ``_unpin_cuda`` undoes it before the mapping goes.
         A registration that outlived its mapping would make copies from a later
         mapping at the same address read the old pages. Returns whether the
-        mapping is pinned (a refused registration stays refused)."""
+        mapping is pinned (a refused registration stays refused). Pinned, its
+        ``cuda_address`` is where a kernel reads it (the device wait's copies)."""
         if self._cuda_pinned is None:
             self._cuda_pinned = native.cuda_register(self._arena, True)
+            if self._cuda_pinned:
+                self.cuda_address = native.cuda_device_pointer(self._arena)
         return self._cuda_pinned
 
     @property
@@ -218,7 +222,7 @@ class ExpertSource(abc.ABC):
     def _unpin_cuda(self):
         if getattr(self, "_cuda_pinned", None):
             native.cuda_unregister(self._arena)
-        self._cuda_pinned = None
+        self._cuda_pinned, self.cuda_address = None, 0
 
     # ---- helpers --------------------------------------------------------------------
 

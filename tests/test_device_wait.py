@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from infer.runtime import device
+from infer.runtime import device, streaming
 from infer.runtime.loader import load_streaming
 from infer.tools.profile import Profiler, summarize
 from iod.inproc import InprocSource
@@ -93,6 +93,32 @@ def test_a_failed_miss_releases_the_gpu_and_the_session_goes_on(synth_model, pre
         source.close()
 
 
+def _host_pinned(n):
+    """``device._pinned`` on the CPU: host pages, "device" address their own."""
+    import mmap
+
+    import native
+
+    buf = mmap.mmap(-1, max(n, mmap.PAGESIZE))
+    return buf, native.address(buf)
+
+
+def copy_chunk(dw, sources=None):
+    """What a waiting CUDA kernel does with a copy chunk the host planned in
+    its mailbox, if there is one it has not copied: each row's bytes, by
+    address, then every block's done flag. ``sources`` gets each row's
+    source address."""
+    import ctypes
+
+    chunk = int(dw.mail[2])
+    if dw.backend == "cuda" and chunk != dw.done[0]:
+        for dst, src, n in dw.plan[: int(dw.mail[3])].tolist():
+            ctypes.memmove(dst, src, n)
+            if sources is not None:
+                sources.append(src)
+        dw.done[:] = chunk
+
+
 class FakeGPU:
     """The device wait's kernels run by a thread on the CPU, as the GPU runs
     them: in queue order, each posts its ids, looks them up in its layer's
@@ -101,7 +127,6 @@ class FakeGPU:
     used (its positions are zeros), so this checks the host's protocol."""
 
     def __init__(self, monkeypatch):
-        import mmap
         import threading
 
         from infer.runtime import device
@@ -119,7 +144,8 @@ class FakeGPU:
         # queues that waited for one)
         self.waiting, self.pressure, self.blocked = None, False, 0
         self.queued = 0  # calls queued in all
-        monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
+        self.sources = []  # where each row a kernel copied came from
+        monkeypatch.setattr(device, "_pinned", _host_pinned)
         for name in ("cuda_kernel", "metal_kernel"):
             monkeypatch.setattr(mx.fast, name, lambda **kw: self._kernel, raising=False)
         monkeypatch.setattr(device, "_queue", self._queue)
@@ -180,6 +206,7 @@ class FakeGPU:
                 t0 = time.monotonic()
                 self.waiting = (slot, turn)
                 while dw.granted[slot] != turn:
+                    copy_chunk(dw, self.sources)
                     time.sleep(1e-4)
                     if time.monotonic() - t0 > 10:
                         dw.mail[1] = slot + 1
@@ -215,12 +242,17 @@ class FakeGPU:
         self.thread.join()
 
 
-def _fake_session(prep, gpu, fraction=0.15, backend="cuda"):
+def _fake_session(prep, gpu, fraction=0.15, backend="cuda", arena_pinned=False):
     """A session whose device wait runs on ``gpu``, its mailbox and tables
-    in ``backend``'s memory: pinned host pages (CUDA) or MLX arrays (Metal)."""
+    in ``backend``'s memory: pinned host pages (CUDA) or MLX arrays (Metal);
+    ``arena_pinned``: the kernels copy straight from the arena, as where
+    CUDA pinned it (else through the staging buffer)."""
+    import native
     from infer.runtime.device import DeviceWait
 
     source = InprocSource(prep, arena=64 << 20)
+    if arena_pinned:
+        source.cuda_address = native.address(source._arena)
     model, tokenizer, store = load_streaming(prep, source, int(source.manifest.expert_bytes * fraction),
                                              device_wait="off")
     gpu.store = store
@@ -238,9 +270,10 @@ def _generate(gpu, source, model, tokenizer, n):
         source.close()
 
 
-@pytest.mark.parametrize("backend,pressure", [("cuda", True), ("cuda", False), ("metal", False)])
+@pytest.mark.parametrize("backend,pressure,pinned", [("cuda", True, True), ("cuda", False, False),
+                                                     ("metal", False, False)])
 def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model, monkeypatch, backend,
-                                                                       pressure):
+                                                                       pressure, pinned):
     """On the CPU, with the kernels run by a thread as the GPU runs them:
     every call's rows, as the kernel reads them from its table and the
     host's grant, are the rows the host placed its experts in, and each of
@@ -250,11 +283,15 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
     forward's calls while they are served: calls are queued past a miss
     being served, and (``pressure``) a queue that waits for the GPU while a
     kernel waits for its grant does not hang the forward (MLX's async_eval
-    may wait so; the kernels here give up after 10 s)."""
+    may wait so; the kernels here give up after 10 s). On CUDA the kernels
+    copy the records, from the arena where it is ``pinned``, else from the
+    staging buffer; the serving thread makes no copy of its own."""
+    import native
+
     prep = prep_model("qwen3_moe")
     gpu = FakeGPU(monkeypatch)
     gpu.pressure = pressure
-    source, model, tokenizer, store = _fake_session(prep, gpu, backend=backend)
+    source, model, tokenizer, store = _fake_session(prep, gpu, backend=backend, arena_pinned=pinned)
     host_rows, ahead = [], []  # ahead: (layer, no miss, calls queued past this one as it is served)
     serve = store.serve_device
 
@@ -273,7 +310,25 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
 
     store.serve_device = checking
     store.profiler = Profiler()
+    dw = store.device
+    if backend == "cuda":
+        import threading
+
+        copied_by_host, copy_in = [], streaming.LayerStack.copy_in
+
+        def host_copy(stack, batch, positions):  # (the synced calls' copies are the host's)
+            copied_by_host.append(threading.current_thread().name)
+            copy_in(stack, batch, positions)
+
+        monkeypatch.setattr(streaming.LayerStack, "copy_in", host_copy)
+        base, size = (native.address(source._arena), len(source._arena)) if pinned else \
+            (dw._stage_dev, len(dw._stage))
     _generate(gpu, source, model, tokenizer, 24)
+    if backend == "cuda":
+        assert "iod-device-wait" not in copied_by_host and gpu.sources
+        assert all(base <= a < base + size for a in gpu.sources)
+    else:
+        assert gpu.sources == []
     assert gpu.timeouts == 0 and (gpu.blocked > 0) == pressure
     # the profile: each device call's host work on the token's path, then aside
     spans = store.profiler.spans
@@ -415,10 +470,10 @@ def test_the_next_layers_guesses_come_back_with_the_ids_and_are_hinted(prep_mode
 def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, monkeypatch, backend):
     """``DeviceWait.works`` runs the kernel on a hit and on a miss granted
     while it waits, before any forward: a kernel that posts and waits as
-    the CUDA and Metal ones do passes, and leaves the slot clear; one whose
-    guesses the host never sees, or one that reads its rows without waiting
-    for the grant, fails, so the load keeps every call synced."""
-    import mmap
+    the CUDA and Metal ones do (and on CUDA copies what the host plans)
+    passes, and leaves the slot clear; one whose guesses the host never
+    sees, one that reads its rows without waiting for the grant, or (CUDA)
+    one that does not copy, fails, so the load keeps every call synced."""
     import threading
 
     from infer.runtime.device import DeviceWait
@@ -428,8 +483,9 @@ def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, 
     try:
         _, _, store = load_streaming(prep, source, int(source.manifest.expert_bytes * 0.15),
                                      device_wait="off")
-        monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
-        for broken in (None, "no guesses", "no wait"):
+        monkeypatch.setattr(device, "_pinned", _host_pinned)
+        monkeypatch.setattr(device, "CHECK_S", 1)  # (the copy a broken kernel never makes)
+        for broken in (None, "no guesses", "no wait") + (("no copy",) if backend == "cuda" else ()):
             made, runs = [], {}
 
             def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
@@ -451,6 +507,8 @@ def test_a_kernel_that_does_not_work_here_leaves_the_session_synced(prep_model, 
                     if min(rows) < 0:
                         t0 = time.monotonic()
                         while broken != "no wait" and dw.granted[slot] != turn:
+                            if broken != "no copy":
+                                copy_chunk(dw)
                             time.sleep(1e-4)
                             assert time.monotonic() - t0 < 10
                         rows = [r if r >= 0 else int(dw.rows[slot, j]) for j, r in enumerate(rows)]
@@ -488,7 +546,6 @@ def test_auto_leaves_mlx_cuda_synced_and_on_tries_it(prep_model, monkeypatch, ca
     thread hung on an H100) and says nothing; ``on`` tries it (here its
     kernel does not build, so the session syncs and one line says why);
     on Metal auto tries it; off never does; the CPU has none."""
-    import mmap
 
     from infer.runtime.device import DeviceWait, wanted
 
@@ -510,11 +567,11 @@ def test_auto_leaves_mlx_cuda_synced_and_on_tries_it(prep_model, monkeypatch, ca
             return kernel
 
         monkeypatch.setattr(device, "backend", lambda: "cuda")
-        monkeypatch.setattr(device, "_pinned", lambda n: (mmap.mmap(-1, max(n, mmap.PAGESIZE)), 0))
+        monkeypatch.setattr(device, "_pinned", _host_pinned)
         monkeypatch.setattr(mx.fast, "cuda_kernel", refused, raising=False)
         assert DeviceWait.make(store, "auto") is None and built == []
         assert capsys.readouterr().err == ""
-        assert DeviceWait.make(store, "on") is None and built == ["iod_device_wait"]
+        assert DeviceWait.make(store, "on") is None and [n[:16] for n in built] == ["iod_device_wait_"]
         assert capsys.readouterr().err.strip() == (
             "infer: no device wait on this cuda GPU (no kernel image is available for execution on "
             "the device); streamed calls sync at their routers")

@@ -1,41 +1,48 @@
 """The device wait: a decode call's routed ids mapped to stack positions on
 the GPU, the host told the ids without stopping it, and the GPU waiting for
-a miss, not the host for the GPU (MLX CUDA).
+a miss, not the host for the GPU (MLX CUDA and Metal).
 
-Per streamed layer a one-warp kernel reads the routed ids, looks each up in
-the layer's table (expert -> stack position, -1 if not cached; host memory
-the GPU reads, kept current by the host), and writes the ids and a posted
-turn to a mailbox in pinned host memory. With every expert cached it hands
-the positions to the layer's ``gather_qmm`` at once: the call is built and
-run as the resident one is, no host read of device memory. With a miss it
-spins on the layer's granted turn. The host, once the forward is built,
-queues all of it as the resident model is queued, while a thread of its
-own walks the layers in order: it reads each layer's ids as the GPU posts
-them, places the misses (``Placement``), has the source read them and
-copies them into their rows on a stream of its own (``LayerStack.copy_in``),
-writes the rows and grants the turn; the GPU goes on. A table is rewritten
-from its placement when the next forward is built, before any of its
-kernels is queued.
+Per streamed layer a kernel reads the routed ids, looks each up in the
+layer's table (expert -> stack position, -1 if not cached; host memory the
+GPU reads, kept current by the host), and writes the ids and a posted turn
+to a mailbox in host memory both sides see. With every expert cached it
+hands the positions to the layer's ``gather_qmm`` at once: the call is
+built and run as the resident one is, no host read of device memory. With
+a miss it waits for the layer's granted turn. The host, once the forward
+is built, queues all of it as the resident model is queued, while a thread
+of its own walks the layers in order: it reads each layer's ids as the GPU
+posts them, places the misses (``Placement``), has the source read them,
+has them copied into their rows (``copy_in``), writes the rows and grants
+the turn; the GPU goes on. A table is rewritten from its placement when
+the next forward is built, before any of its kernels is queued.
+
+The copy: on CUDA the waiting kernel itself copies, from pinned host
+memory (the arena, or a staging buffer), the chunks of rows the host plans
+in the mailbox, so the serving thread makes no CUDA call: its own
+cudaMemcpyAsync hung on an H100 (2026-12-07) with the kernel waiting and
+MLX's async_eval waiting too. On Metal the host copies into the unified
+memory.
 
 Exact: the expert math is the same ``gather_qmm`` on the same stack rows
 as the host-synced call. Safe by order: a row is written only while its
 layer's kernel of this forward waits, after every earlier kernel that read
-it ran (one stream), and before any later forward's kernels are queued.
+it ran, and before any later forward's kernels are queued.
 
 Where this does not run (the CPU, a stack not written in place, a cache
 narrower than a call) each call syncs at its router as before; the run's
 summary says which path ran.
 
-Backends: MLX CUDA (``mx.fast.cuda_kernel``; the mailbox and tables pinned
-host memory the kernel reaches by address) and Metal (``mx.fast.metal_kernel``;
-they are MLX arrays in the unified memory both sides see, and the kernel
-reads and writes them with system-scope fences on coherent(system) memory,
-as MLX's own fence_wait / fence_update kernels do). The CUDA path is
-measured (docs/status.md) and, since its serving thread hung there, runs
-only when asked for (``wanted``); the Metal one is built by the same host
-code, tested on the CPU with its memory, and not run: a kernel that does
-not build or pass its check at load leaves the session synced."""
+Backends: MLX CUDA (``mx.fast.cuda_kernel``; the mailbox, tables and
+staging buffer pinned host memory the kernel reaches by address) and Metal
+(``mx.fast.metal_kernel``; they are MLX arrays in the unified memory, and
+the kernel reads and writes them with system-scope fences on
+coherent(system) memory, as MLX's own fence_wait / fence_update kernels
+do). The CUDA path runs only when asked for (``wanted``) until it is
+measured; the Metal one is built by the same host code, tested on the CPU
+with its memory, and not run: a kernel that does not build or pass its
+check at load leaves the session synced."""
 
+import hashlib
 import mmap
 import sys
 import threading
@@ -52,9 +59,36 @@ MAX_K = 32  # ids a call may post (top k x one token); wider calls sync
 TIMEOUT_NS = 20_000_000_000  # a kernel left waiting this long gives up
 SPIN_S = 0.002  # a post is polled this long (a layer's compute) before the host sleeps between polls
 CHECK_S = 5  # the load's check waits this long for a kernel's post
-HEAD = 16  # words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait)
+# words: 0 the turn, 1 the error (layer slot + 1 of a timed-out wait), 2 the
+# last copy chunk's number, 3 its rows
+HEAD = 16
+# CUDA: the kernel that waits also copies a miss's records in, so the
+# serving thread makes no CUDA call (one that hung, an H100, 2026-12-07):
+# BLOCKS blocks of THREADS threads read them from pinned host memory (the
+# arena, or a staging buffer) and write them to the stack rows
+BLOCKS, THREADS = 32, 256
+MAX_ROWS = 512  # copy rows (a record's tensor each) a chunk holds
+STAGE_BYTES = 32 << 20  # the staging buffer, for records from an arena CUDA did not pin
+
+_CUDA_HEADER = f"""
+#define MAX_K {MAX_K}
+#define MAX_ROWS {MAX_ROWS}
+#define TIMEOUT {TIMEOUT_NS}ULL
+// a load from memory the host rewrites between chunks: .cv never hits a
+// line cached from an earlier chunk
+__device__ inline uint4 iod_load16(const uint4* p) {{
+    uint4 v;
+    asm volatile("ld.global.cv.v4.u32 {{%0, %1, %2, %3}}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}}
+"""
+
+# inputs: ids (N), guess (G), box_in: the mailbox's address, the table's,
+# the layer slot, the slots, the guesses a slot holds, and where the done
+# flags and the copy plan lie in the mailbox (words)
 _CUDA_SOURCE = """
-    uint64_t* box = (uint64_t*)box_in;
+    const unsigned long long* box = (const unsigned long long*)box_in;
     volatile int* mail = (volatile int*)box[0];
     volatile const int* table = (volatile const int*)box[1];
     const int slot = (int)box[2];
@@ -62,39 +96,76 @@ _CUDA_SOURCE = """
     volatile int* posted = mail + 16;
     volatile int* granted = posted + layers;
     volatile int* ids_out = granted + layers + slot * MAX_K;
-    volatile int* rows_in = ids_out + layers * MAX_K;
-    volatile int* guess_out = granted + layers + 2 * layers * MAX_K + slot * MAX_G;
+    volatile int* rows_in = granted + layers + (layers + slot) * MAX_K;
+    volatile int* guess_out = granted + layers + 2 * layers * MAX_K + slot * (int)box[4];
+    volatile int* done = mail + box[5];
+    volatile const long long* plan = (volatile const long long*)(mail + box[6]);
     __shared__ int row[N];
-    __shared__ int any_miss;
-    const int t = threadIdx.x;
+    __shared__ int any_miss, chunk;
+    __shared__ long long entry[3 * MAX_ROWS];
+    const int t = threadIdx.x, b = blockIdx.x;
     const int turn = mail[0];
     if (t == 0) any_miss = 0;
     __syncthreads();
     if (t < N) {
         int e = (int)ids[t];
-        ids_out[t] = e;
         row[t] = table[e];
         if (row[t] < 0) atomicOr(&any_miss, 1);
+        if (b == 0) ids_out[t] = e;
     }
-    for (int i = t; i < G; i += 32) guess_out[i] = (int)guess[i];
+    if (b == 0) for (int i = t; i < G; i += blockDim.x) guess_out[i] = (int)guess[i];
     __threadfence_system();
     __syncthreads();
-    if (t == 0) {
+    if (b == 0 && t == 0) {
         posted[slot] = turn;
         __threadfence_system();
-        if (any_miss) {
+    }
+    // a miss: copy each chunk the host writes (once a block: its done flag
+    // says the last it copied) until the grant
+    while (any_miss) {
+        if (t == 0) {
             unsigned long long t0, now;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-            while (granted[slot] != turn) {
+            chunk = 0;
+            for (;;) {
+                int c = mail[2];
+                if (c != done[b]) { chunk = c; break; }
+                if (granted[slot] == turn) break;
                 __nanosleep(256);
                 asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
                 if (now - t0 > TIMEOUT) { mail[1] = slot + 1; break; }
             }
             __threadfence_system();
         }
+        __syncthreads();
+        const int c = chunk;
+        if (c == 0) break;
+        const int rows = mail[3];
+        for (int i = t; i < 3 * rows; i += blockDim.x) entry[i] = plan[i];
+        __syncthreads();
+        const long long first = (long long)b * blockDim.x + t, step = (long long)gridDim.x * blockDim.x;
+        for (int r = 0; r < rows; r++) {
+            char* dst = (char*)entry[3 * r];
+            const char* src = (const char*)entry[3 * r + 1];
+            const long long n = entry[3 * r + 2];
+            long long body = 0;
+            if ((((unsigned long long)dst | (unsigned long long)src) & 15) == 0) {
+                body = n / 16;
+                for (long long j = first; j < body; j += step)
+                    ((uint4*)dst)[j] = iod_load16((const uint4*)src + j);
+                body *= 16;
+            }
+            for (long long j = body + first; j < n; j += step)
+                dst[j] = *(volatile const char*)(src + j);
+        }
+        __syncthreads();  // (every load of the block done: the host may reuse its source)
+        if (t == 0) {
+            __threadfence_system();
+            done[b] = c;
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    if (t < N) {
+    if (b == 0 && t < N) {
         int r = row[t] >= 0 ? row[t] : rows_in[t];
         pos[t] = (uint32_t)(r >= 0 ? r : 0);
     }
@@ -125,7 +196,7 @@ _METAL_SOURCE = """
     shared_words granted = posted + layers;
     shared_words ids_out = granted + layers + slot * MAX_K;
     shared_words rows_in = ids_out + layers * MAX_K;
-    shared_words guess_out = granted + layers + 2 * layers * MAX_K + slot * MAX_G;
+    shared_words guess_out = granted + layers + 2 * layers * MAX_K + slot * args[3];
     const int turn = box[0];
     int row = 0;
     if (t < N) {
@@ -190,6 +261,13 @@ def backend():
     return "cuda" if mx.cuda.is_available() and native.cuda_available() else None
 
 
+def _kernel_name(source) -> str:
+    """The kernel's name, with a digest of its source: MLX keeps a compiled
+    kernel by name (in the process and in its kernel cache on disk), so an
+    edited kernel must not be found under its old name."""
+    return "iod_device_wait_" + hashlib.sha1(source.encode()).hexdigest()[:12]
+
+
 def _queue(y):
     """Start the GPU on the graph up to ``y`` (a test runs a fake GPU here)."""
     mx.async_eval(y)
@@ -236,39 +314,55 @@ class DeviceWait:
         # guessed ids a call may post: every expert of each layer guessed
         # ahead (a calibration's ranks go that far at most); more posts none
         self.max_guessed = max(store.prefetcher.depth, 1) * self.experts
-        words, table_words = HEAD + 2 * n + 2 * n * MAX_K + n * self.max_guessed, n * self.experts
-        header = f"#define MAX_K {MAX_K}\n#define MAX_G {self.max_guessed}\n"
+        guesses_at = HEAD + 2 * n + 2 * n * MAX_K
+        self._done_at = guesses_at + n * self.max_guessed  # BLOCKS words: each block's last chunk
+        self._plan_at = self._done_at + BLOCKS + (self._done_at + BLOCKS) % 2  # (int64 aligned)
+        words, table_words = self._plan_at + 6 * MAX_ROWS, n * self.experts
+        # what differs between sessions goes in each call's inputs: a kernel
+        # is compiled once a process (per name and template)
+        layout = [n, self.max_guessed, self._done_at, self._plan_at]
+        self._stage = None
         if backend == "cuda":
-            mail, table = _pinned(4 * words), _pinned(4 * table_words)
-            if mail is None or table is None:
-                for pinned in (mail, table):
+            mail, table, stage = _pinned(4 * words), _pinned(4 * table_words), _pinned(STAGE_BYTES)
+            if mail is None or table is None or stage is None:
+                for pinned in (mail, table, stage):
                     if pinned is not None:
                         native.cuda_unregister(pinned[0])
                 raise OSError("CUDA did not pin the mailbox")
             (self._mail_buf, mail_dev), (self._table_buf, table_dev) = mail, table
+            self._stage, self._stage_dev = stage
             # each kernel's one input beyond its ids: the addresses it reaches
             self._inputs = {layer: [mx.array(np.array(
-                [mail_dev, table_dev + 4 * i * self.experts, i, n], dtype=np.uint64))]
+                [mail_dev, table_dev + 4 * i * self.experts, i, *layout], dtype=np.uint64))]
                 for layer, i in self.slot.items()}
             self._kernel = mx.fast.cuda_kernel(
-                name="iod_device_wait", input_names=["ids", "guess", "box_in"], output_names=["pos"],
-                source=_CUDA_SOURCE, header=header + f"#define TIMEOUT {TIMEOUT_NS}ULL\n")
+                name=_kernel_name(_CUDA_HEADER + _CUDA_SOURCE), input_names=["ids", "guess", "box_in"], output_names=["pos"],
+                source=_CUDA_SOURCE, header=_CUDA_HEADER)
+            self._grid, self._block = (BLOCKS * THREADS, 1, 1), (THREADS, 1, 1)
+            # the load's check copies into it (``works``); its address taken now, as a stack's
+            self._probe = mx.zeros((64,), dtype=mx.uint8)
+            mx.eval(self._probe)
+            self._probe_addr = native.address(self._probe)
         else:
             self._mail_buf, self._table_buf = _shared(words), _shared(table_words)
             self._inputs = {layer: [self._mail_buf, self._table_buf,
-                                    mx.array([i, n, i * self.experts], dtype=mx.int32)]
+                                    mx.array([i, n, i * self.experts, self.max_guessed], dtype=mx.int32)]
                             for layer, i in self.slot.items()}
+            header = _METAL_HEADER + f"#define MAX_K {MAX_K}\n#define SPIN_LIMIT {TIMEOUT_NS // 100}UL\n"
             self._kernel = mx.fast.metal_kernel(
-                name="iod_device_wait", input_names=["ids", "guess", "mail", "table", "args"],
-                output_names=["pos"], source=_METAL_SOURCE,
-                header=_METAL_HEADER + header + f"#define SPIN_LIMIT {TIMEOUT_NS // 100}UL\n")
+                name=_kernel_name(header + _METAL_SOURCE), input_names=["ids", "guess", "mail", "table", "args"],
+                output_names=["pos"], source=_METAL_SOURCE, header=header)
+            self._grid = self._block = (32, 1, 1)  # one simdgroup
         self.mail = np.frombuffer(self._mail_buf, dtype=np.int32, count=words)
         self.mail[:] = 0
         self.posted = self.mail[HEAD:HEAD + n]
         self.granted = self.mail[HEAD + n:HEAD + 2 * n]
         self.ids = self.mail[HEAD + 2 * n:HEAD + 2 * n + n * MAX_K].reshape(n, MAX_K)
-        self.rows = self.mail[HEAD + 2 * n + n * MAX_K:HEAD + 2 * n + 2 * n * MAX_K].reshape(n, MAX_K)
-        self.guesses = self.mail[HEAD + 2 * n + 2 * n * MAX_K:].reshape(n, self.max_guessed)
+        self.rows = self.mail[HEAD + 2 * n + n * MAX_K:guesses_at].reshape(n, MAX_K)
+        self.guesses = self.mail[guesses_at:self._done_at].reshape(n, self.max_guessed)
+        self.done = self.mail[self._done_at:self._done_at + BLOCKS]
+        self.plan = self.mail[self._plan_at:].view(np.int64).reshape(MAX_ROWS, 3)
+        self.chunk = 0  # the last copy chunk's number
         self.tables = np.frombuffer(self._table_buf, dtype=np.int32,
                                     count=table_words).reshape(n, self.experts)
         self.tables[:] = -1
@@ -289,6 +383,9 @@ class DeviceWait:
         kind = backend()
         if not wanted(mode, kind):
             return None
+        pin = getattr(store.source, "pin_for_cuda", None)
+        if kind == "cuda" and pin is not None:
+            pin()  # now: the kernels copy from it, the serving thread registers nothing
         try:
             dw = cls(store, store.cached, kind)
         except (OSError, RuntimeError, ValueError) as e:
@@ -308,10 +405,10 @@ class DeviceWait:
     def works(self) -> bool:
         """Run the kernel on the first slot before any forward, on a hit and
         then on a miss granted while it waits, and check what it wrote and
-        posted: a kernel this GPU or driver does not build or run right
-        (one whose writes the host does not see while it runs, or that does
-        not see the host's) leaves the session on the synced path instead
-        of failing its first token. The slot is left as it was (its table
+        posted, and (CUDA) what it copied while it waited: a kernel this GPU
+        or driver does not build or run right (one whose writes the host
+        does not see while it runs, or that does not see the host's) leaves
+        the session on the synced path instead of failing its first token. The slot is left as it was (its table
         -1, nothing posted or granted)."""
         layer = next(iter(self.slot))
         i, turn = self.slot[layer], self.turn
@@ -328,10 +425,22 @@ class DeviceWait:
             _queue(miss)
             # its rows written once it has posted: a kernel that did not wait reads zeros
             seen = self._posted(i, turn, CHECK_S)
+            copied = self.backend != "cuda"
+            if seen and not copied:  # it copies a chunk from the staging buffer
+                pattern = (np.arange(64, dtype=np.uint8) * 3 + 1).tolist()
+                self._stage[:64] = bytes(pattern)
+                try:
+                    self._copy_chunk(np.array([[self._probe_addr, self._stage_dev, 64]]), CHECK_S)
+                    copied = True
+                except TimeoutError:
+                    pass
             self.rows[i, :2] = [3, 4]
             self._grant(i, turn)
             miss = _evaluated(miss)
-            return hit == [5, 5] and posted and seen and miss == [3, 4] and not self.mail[1]
+            if copied and self.backend == "cuda":
+                copied = np.array(self._probe).tolist() == pattern
+            return (hit == [5, 5] and posted and seen and miss == [3, 4] and copied
+                    and not self.mail[1])
         finally:
             self.tables[i] = -1
             self.posted[i] = self.granted[i] = 0  # (no forward's turn is 0)
@@ -341,11 +450,11 @@ class DeviceWait:
     def close(self):
         """Give the mailbox and tables back (no kernel may run after)."""
         if self.backend == "cuda":
-            for buf in (self._mail_buf, self._table_buf):
+            for buf in (self._mail_buf, self._table_buf, self._stage):
                 native.cuda_unregister(buf)
         self.mail = self.posted = self.granted = self.ids = self.rows = self.guesses = None
-        self.tables = None  # (the mappings go with the last view of them)
-        self._inputs = self._mail_buf = self._table_buf = None
+        self.done = self.plan = self.tables = None  # (the mappings go with the last view of them)
+        self._inputs = self._mail_buf = self._table_buf = self._stage = None
 
     def fits(self, stack, n):
         """Whether a call of ``n`` ids on ``stack`` can wait on the device:
@@ -353,6 +462,53 @@ class DeviceWait:
         written = "cuda" if self.backend == "cuda" else "host"  # (Metal: unified memory)
         return (stack.mode == written and stack.in_place and 0 < n <= MAX_K
                 and n <= stack.capacity and stack.layout.layer in self.slot)
+
+    def copy_in(self, stack, batch, positions):
+        """The serving thread's copy of a miss: ``batch``'s records into
+        ``positions`` of ``stack``, while the layer's kernel waits. On CUDA
+        the kernel copies them, straight from the arena where CUDA pinned
+        it, else from the staging buffer the host fills; the host writes
+        the plan and returns once the kernel has read every record (their
+        slots may be unpinned then). On Metal the host copies into the
+        unified memory itself (``LayerStack.copy_in``)."""
+        if self.backend != "cuda":
+            stack.copy_in(batch, positions)
+            return
+        regions = stack.regions(batch, positions)
+        base = getattr(batch.source, "cuda_address", 0)
+        if base:
+            regions[:, 1] += base
+            for k in range(0, len(regions), MAX_ROWS):
+                self._copy_chunk(regions[k:k + MAX_ROWS], self.timeout_s)
+            return
+        src = np.frombuffer(batch.buf, dtype=np.uint8)
+        plan, used = [], 0
+        for dst, off, n in regions.tolist():
+            for k in range(0, n, STAGE_BYTES):  # (a tensor larger than the buffer, in pieces)
+                m = min(n - k, STAGE_BYTES)
+                if used + m > STAGE_BYTES or len(plan) == MAX_ROWS:
+                    self._copy_chunk(np.array(plan, dtype=np.int64), self.timeout_s)
+                    plan, used = [], 0
+                self._stage[used:used + m] = src[off + k:off + k + m]
+                plan.append((dst + k, self._stage_dev + used, m))
+                used = (used + m + 15) // 16 * 16  # (16-byte copies where the rows allow)
+        if plan:
+            self._copy_chunk(np.array(plan, dtype=np.int64), self.timeout_s)
+
+    def _copy_chunk(self, plan, timeout_s):
+        """Have the waiting kernel copy ``plan`` (int64 rows of destination,
+        source address in pinned memory, bytes; at most MAX_ROWS), and wait
+        until each of its blocks has."""
+        self.plan[:len(plan)] = plan
+        self.mail[3] = len(plan)
+        self.chunk += 1
+        native.store_u32(self._mail_buf, 8, self.chunk)  # (after the plan, on any CPU)
+        for b in range(BLOCKS):
+            if not native.wait_u32(self._mail_buf, 4 * (self._done_at + b), self.chunk, SPIN_S,
+                                   timeout_s):
+                self.done[:] = self.chunk  # no later kernel may take it up
+                raise TimeoutError(f"device wait: the GPU did not copy a miss's records "
+                                   f"in {timeout_s:.0f} s")
 
     def waiting(self, layer) -> bool:
         """Whether the forward being built has a call of ``layer`` already:
@@ -376,7 +532,7 @@ class DeviceWait:
         g = 0 if guess is None else guess.size
         return self._kernel(
             inputs=[ids, self._no_guess if guess is None else guess, *self._inputs[layer]],
-            template=[("N", ids.size), ("G", g)], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+            template=[("N", ids.size), ("G", g)], grid=self._grid, threadgroup=self._block,
             output_shapes=[(ids.size,)], output_dtypes=[mx.uint32])[0]
 
     def called(self, layer, stack, n, y, readback=None, guessed=0):

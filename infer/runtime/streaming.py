@@ -109,8 +109,8 @@ class LayerStack(Placement):
         self.mode = copy_mode()
         self.kinds = [_copy_kind(s, cast, self.mode) for s in layout.segments]
         self.in_place = all(kind is not None for kind in self.kinds)
-        # the arrays' addresses: valid while the stack holds them (it never
-        # replaces an array it writes in place)
+        # the arrays' addresses (``regions``), taken here on CUDA: MLX may sync
+        # to hand one out, which the device wait's serving thread must not
         self._addr = [native.address(a) for a in self.arrays.values()] \
             if self.mode == "cuda" else None
         self.table_stale = True  # placement changed since the device table was written
@@ -133,12 +133,7 @@ class LayerStack(Placement):
         if direct and self.mode == "cuda":
             # unpinned (a refused registration, a plain buffer): staged by the native copy
             pinned = batch.source is not None and batch.source.pin_for_cuda()
-            rows = []
-            for ti in direct:
-                s = self.layout.segments[ti]
-                for src, pos in zip(batch.offsets.tolist(), positions):
-                    rows.append((self._addr[ti] + pos * s.nbytes, src + s.offset, s.nbytes))
-            native.cuda_copy(batch.buf, np.array(rows, dtype=np.int64), pinned)
+            native.cuda_copy(batch.buf, self.regions(batch, positions), pinned)
         elif direct:
             rows = {}  # kind -> rows
             for ti in direct:
@@ -159,6 +154,21 @@ class LayerStack(Placement):
             rest = [s for s, kind in zip(self.layout.segments, self.kinds) if kind is None]
             for key, arr in staged(self.layout, batch, cast=self.cast, segments=rest).items():
                 self.arrays[key][idx] = arr
+
+    def regions(self, batch, positions):
+        """int64 rows of (address in a stack array, offset in ``batch.buf``,
+        bytes): ``batch``'s records, per tensor copied as stored, at
+        ``positions``. The addresses stay valid while the stack holds its
+        arrays (it never replaces one it writes in place)."""
+        if self._addr is None:
+            self._addr = [native.address(a) for a in self.arrays.values()]
+        rows = []
+        for ti, kind in enumerate(self.kinds):
+            if kind == 0:
+                s = self.layout.segments[ti]
+                for src, pos in zip(batch.offsets.tolist(), positions):
+                    rows.append((self._addr[ti] + pos * s.nbytes, src + s.offset, s.nbytes))
+        return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
     @property
     def nbytes(self):
@@ -416,8 +426,8 @@ class ExpertStore:
             self.prefetcher.start_reads(layer, missing)
             self.hint(guesses)
         places = stack.assign(missing, set(ids))
-        self._fill(layer, missing, lambda batch: stack.copy_in(
-            batch, [places[e] for e in batch.experts]), [stack], defer=False)
+        self._fill(layer, missing, lambda batch: self.device.copy_in(
+            stack, batch, [places[e] for e in batch.experts]), [stack], defer=False)
         return places
 
     def hint(self, guesses, misses=None):
