@@ -121,7 +121,8 @@ _CUDA_SOURCE = """
         __threadfence_system();
     }
     // a miss: copy each chunk the host writes (once a block: its done flag
-    // says the last it copied) until the grant
+    // says the last it copied; only the block writes it) until the grant
+    int last = done[b];
     while (any_miss) {
         if (t == 0) {
             unsigned long long t0, now;
@@ -129,9 +130,9 @@ _CUDA_SOURCE = """
             chunk = 0;
             for (;;) {
                 int c = mail[2];
-                if (c != done[b]) { chunk = c; break; }
+                if (c != last) { chunk = c; break; }
                 if (granted[slot] == turn) break;
-                __nanosleep(256);
+                __nanosleep(500);
                 asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
                 if (now - t0 > TIMEOUT) { mail[1] = slot + 1; break; }
             }
@@ -140,6 +141,7 @@ _CUDA_SOURCE = """
         __syncthreads();
         const int c = chunk;
         if (c == 0) break;
+        last = c;
         const int rows = mail[3];
         for (int i = t; i < 3 * rows; i += blockDim.x) entry[i] = plan[i];
         __syncthreads();
