@@ -19,6 +19,19 @@ trap pack EXIT
 infer() { python3 -m infer.cli "$@"; }
 iod() { python3 -m iod.cli "$@"; }
 log() { pack; echo "== $(date +%T) $*"; }
+# ``watched S LOG CMD...``: CMD (output to LOG); still running after S seconds, every
+# Python process of it (a bench runs each mode in a child) has its threads' Python and
+# native stacks appended to LOG (py-spy, from .gpu/w2), and it is killed: rc 124
+watched() {
+  local s=$1 out=$2 pid p; shift 2
+  "$@" > "$out" 2>&1 & pid=$!
+  for _ in $(seq "$s"); do sleep 1; kill -0 $pid 2>/dev/null || { wait $pid; return; }; done
+  for p in $pid $(pgrep -P $pid) $(pgrep -P "$(pgrep -P $pid | tr '\n' ',' | sed 's/,$//')" 2>/dev/null); do
+    echo "== py-spy $p: $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null | cut -c1-120)" >> "$out"
+    /tmp/site/bin/py-spy dump --native --pid $p >> "$out" 2>&1
+  done
+  pkill -9 -P $pid; kill -9 $pid; return 124
+}
 
 # The A/B steps: ``alternate F`` runs ``F round side dir`` for ROUNDS rounds, side base (AB_BASE, a
 # copy of older infer/ iod/ shared/ native/, in dir) and new (this tree). The order alternates by
@@ -111,10 +124,10 @@ dwait)  # issue 48's device wait: its tests on this GPU, then `q30` (after the `
   for b in ${*:-0.5 0.25 0.1}; do
     for dw in ${DW:-on off on off}; do
       log "bench $b device-wait $dw"
-      # (a hang leaves every thread's stack in the log: ABRT, faulthandler)
+      # (a hang leaves every process's threads' stacks in the log)
       log=$OUT/dwait-$b-$dw-$(date +%s)
-      timeout -s ABRT ${BENCH_S:-120} python3 -X faulthandler -m infer.tools.bench --model "${MODEL:-$W/q30}" --budget "$b" \
-        --runs 1 --max-tokens 24 --modes ${MODES:-iod} --device-wait $dw $tr --json "$log.json" > "$log.txt" 2>&1
+      watched ${BENCH_S:-120} "$log.txt" python3 -m infer.tools.bench --model "${MODEL:-$W/q30}" --budget "$b" \
+        --runs 1 --max-tokens 24 --modes ${MODES:-iod} --device-wait $dw $tr --json "$log.json" || echo "rc $?"
       grep -E "^(iod|resident|sync|runs|decode speed|infer bench: )" "$log.txt"
     done
   done ;;
@@ -147,14 +160,11 @@ stackprobe)  # a compact stack's make / copy / compute on q30 (after `q30`): whe
   done ;;
 hang)  # the device wait's hang on MLX CUDA (docs/runtime.md): `infer run --device-wait on` on q30 (after
   # `q30`), and after HANG_S seconds every thread's Python and native stack (py-spy, from .gpu/w2)
-  python3 -m infer.cli run --model "$W/q30" --max-tokens 4 --prompt "Hello" --device-wait on \
-    > "$OUT/run.txt" 2>&1 & pid=$!
-  sleep ${HANG_S:-60}
-  if kill -0 $pid 2>/dev/null; then
-    log "py-spy dump"; /tmp/site/bin/py-spy dump --native --pid $pid > "$OUT/stacks.txt" 2>&1
-    grep -E "Thread|cuda|mlx|async_eval|copy" "$OUT/stacks.txt" | head -60; kill -9 $pid
-  else
+  if watched ${HANG_S:-60} "$OUT/run.txt" python3 -m infer.cli run --model "$W/q30" --max-tokens 4 \
+      --prompt "Hello" --device-wait on; then
     echo "no hang: $(grep -E '^Generation|Streamed layers' "$OUT/run.txt")"
+  else
+    grep -E "Thread|cuda|mlx|async_eval|copy" "$OUT/run.txt" | head -60
   fi ;;
 bench14)  # issue 14: budget 1.0 warm (resident, iod), then sync and iod cold at each budget
   shift
