@@ -261,6 +261,44 @@ def _fake_session(prep, gpu, fraction=0.15, backend="cuda", arena_pinned=False):
     return source, model, tokenizer, store
 
 
+def _checked(store, source):
+    """``store.serve_device``, checking after each call that the stack rows
+    of its experts hold their records, byte for byte."""
+    serve = store.serve_device
+
+    def checking(layer, stack, ids, guesses=None):
+        places = serve(layer, stack, ids, guesses)
+        records = source.read(layer, sorted(set(ids)))
+        for s in stack.layout.segments:
+            arr = np.array(stack.arrays[(s.projection, s.tensor)].view(mx.uint8))
+            for e in set(ids):
+                got = arr[stack.position[e]].tobytes()
+                assert got == records[e][s.offset : s.offset + s.nbytes], (layer, e, s.tensor)
+        return places
+
+    return checking
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_miss_copied_in_many_chunks_lands_whole(prep_model, monkeypatch, pinned):
+    """CUDA's copy in pieces: a plan of at most 4 rows a chunk (a record has
+    9) and a staging buffer smaller than a tensor (which then goes in two
+    pieces): every row still holds its expert's record once its call is
+    served, and every block copied every chunk."""
+    prep = prep_model("qwen3_moe")
+    monkeypatch.setattr(device, "MAX_ROWS", 4)
+    monkeypatch.setattr(device, "STAGE_BYTES", 3000)
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu, arena_pinned=pinned)
+    assert max(s.nbytes for l in store.cached for s in store.layouts[l].segments) > 3000
+    store.serve_device = _checked(store, source)
+    dw = store.device
+    _generate(gpu, source, model, tokenizer, 12)
+    assert store.stats["device_calls"] > 0 and gpu.timeouts == 0
+    assert dw.chunk >= 3 * sum(waited for *_, waited in gpu.log) > 0
+    assert (dw.done == dw.chunk).all()
+
+
 def _generate(gpu, source, model, tokenizer, n):
     """``n`` greedy tokens of PROMPT on the fake GPU; then it stops and the source closes."""
     try:
@@ -293,18 +331,12 @@ def test_the_host_serves_the_kernels_the_rows_that_hold_their_experts(prep_model
     gpu.pressure = pressure
     source, model, tokenizer, store = _fake_session(prep, gpu, backend=backend, arena_pinned=pinned)
     host_rows, ahead = [], []  # ahead: (layer, no miss, calls queued past this one as it is served)
-    serve = store.serve_device
+    serve = _checked(store, source)
 
     def checking(layer, stack, ids, guesses=None):
         queued = gpu.queued - len(host_rows) - 1
         places = serve(layer, stack, ids, guesses)
         ahead.append((layer, places is None, queued))
-        records = source.read(layer, sorted(set(ids)))
-        for s in stack.layout.segments:
-            arr = np.array(stack.arrays[(s.projection, s.tensor)].view(mx.uint8))
-            for e in set(ids):
-                got = arr[stack.position[e]].tobytes()
-                assert got == records[e][s.offset : s.offset + s.nbytes], (layer, e, s.tensor)
         host_rows.append([stack.position[e] for e in ids])
         return places
 
