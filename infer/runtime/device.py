@@ -338,8 +338,8 @@ class DeviceWait:
                 [mail_dev, table_dev + 4 * i * self.experts, i, *layout], dtype=np.uint64))]
                 for layer, i in self.slot.items()}
             self._kernel = mx.fast.cuda_kernel(
-                name=_kernel_name(_CUDA_HEADER + _CUDA_SOURCE), input_names=["ids", "guess", "box_in"], output_names=["pos"],
-                source=_CUDA_SOURCE, header=_CUDA_HEADER)
+                name=_kernel_name(_CUDA_HEADER + _CUDA_SOURCE), input_names=["ids", "guess", "box_in"],
+                output_names=["pos"], source=_CUDA_SOURCE, header=_CUDA_HEADER)
             self._grid, self._block = (BLOCKS * THREADS, 1, 1), (THREADS, 1, 1)
             # the load's check copies into it (``works``); its address taken now, as a stack's
             self._probe = mx.zeros((64,), dtype=mx.uint8)
@@ -352,8 +352,9 @@ class DeviceWait:
                             for layer, i in self.slot.items()}
             header = _METAL_HEADER + f"#define MAX_K {MAX_K}\n#define SPIN_LIMIT {TIMEOUT_NS // 100}UL\n"
             self._kernel = mx.fast.metal_kernel(
-                name=_kernel_name(header + _METAL_SOURCE), input_names=["ids", "guess", "mail", "table", "args"],
-                output_names=["pos"], source=_METAL_SOURCE, header=header)
+                name=_kernel_name(header + _METAL_SOURCE),
+                input_names=["ids", "guess", "mail", "table", "args"], output_names=["pos"],
+                source=_METAL_SOURCE, header=header)
             self._grid = self._block = (32, 1, 1)  # one simdgroup
         self.mail = np.frombuffer(self._mail_buf, dtype=np.int32, count=words)
         self.mail[:] = 0
@@ -410,8 +411,8 @@ class DeviceWait:
         posted, and (CUDA) what it copied while it waited: a kernel this GPU
         or driver does not build or run right (one whose writes the host
         does not see while it runs, or that does not see the host's) leaves
-        the session on the synced path instead of failing its first token. The slot is left as it was (its table
-        -1, nothing posted or granted)."""
+        the session on the synced path instead of failing its first token.
+        The slot is left as it was (its table -1, nothing posted or granted)."""
         layer = next(iter(self.slot))
         i, turn = self.slot[layer], self.turn
         ids = mx.array([1, 2], dtype=mx.uint32)
