@@ -375,6 +375,7 @@ class DeviceWait:
         # (layer, stack, ids posted, output, guesses' readback or None, guessed
         # ids posted) of the forward being built
         self.calls = []
+        self._called = set()  # their layers
         self.timeout_s = TIMEOUT_NS / 1e9
 
     @classmethod
@@ -516,7 +517,7 @@ class DeviceWait:
     def waiting(self, layer) -> bool:
         """Whether the forward being built has a call of ``layer`` already:
         its mailbox slot is taken until ``finish`` (a second call syncs)."""
-        return any(c[0] == layer for c in self.calls)
+        return layer in self._called
 
     def positions(self, layer, stack, indices, guess=None):
         """The stack positions of ``indices`` (uint32, same shape), found on
@@ -543,6 +544,7 @@ class DeviceWait:
         ``guessed`` ids of guesses, which ``readback`` (Prefetcher.lazy_ids)
         turns into the next layers' guesses."""
         self.calls.append((layer, stack, n, y, readback, guessed))
+        self._called.add(layer)
 
     def sync_table(self, layer, stack):
         """The layer's table as its stack's placement is now."""
@@ -564,6 +566,7 @@ class DeviceWait:
         (async_eval lets go of the GIL), so the GPU never waits for a graph
         to be built, only for a miss. Then the next turn."""
         calls, self.calls = self.calls, []
+        self._called.clear()
         if not calls:
             return
         run = _Run()
@@ -614,6 +617,7 @@ class DeviceWait:
         call's deferred copy failed): each of its calls still runs now, on
         row 0, so none is left to run later with another forward's turn."""
         calls, self.calls = self.calls, []
+        self._called.clear()
         if not calls:
             return
         turn = self.turn

@@ -12,6 +12,7 @@ without it. The cache (``ExpertStore``) tells the prefetcher what each call
 used (``called``) and how fast its demand reads went (``note_read``).
 """
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -172,7 +173,7 @@ class Prefetcher:
                 lazy.append(g[2][0])
         if not lazy:
             return None, lambda host: guesses
-        ends = np.cumsum([0] + [a.size for a in lazy])
+        ends = [0, *itertools.accumulate(a.size for a in lazy)]
         shapes = [a.shape for a in lazy]
 
         def readback(host):
@@ -186,7 +187,8 @@ class Prefetcher:
                 out.append((*g[:2], ids, *g[3:]))
             return out
 
-        return mx.concatenate([a.reshape(-1).astype(mx.uint32) for a in lazy]), readback
+        flat = [a.reshape(-1).astype(mx.uint32) for a in lazy]
+        return (flat[0] if len(flat) == 1 else mx.concatenate(flat)), readback
 
     def prefetch(self, guesses, misses=None):
         """Score ``guesses`` when their layers are called, and hint the source
