@@ -299,6 +299,29 @@ def test_a_miss_copied_in_many_chunks_lands_whole(prep_model, monkeypatch, pinne
     assert (dw.done == dw.chunk).all()
 
 
+def test_a_source_the_store_takes_is_pinned_for_the_kernels(prep_model, monkeypatch):
+    """On CUDA a source given to the store (a benchmark's next run) has its
+    arena pinned then, by the building thread, so the kernels copy straight
+    from it; the serving thread never registers memory."""
+    import native
+
+    prep = prep_model("qwen3_moe")
+    gpu = FakeGPU(monkeypatch)
+    source, model, tokenizer, store = _fake_session(prep, gpu)
+    registered = []
+    monkeypatch.setattr(native, "cuda_register", lambda buf, ro: registered.append(buf) or True)
+    monkeypatch.setattr(native, "cuda_unregister", lambda buf: None)
+    monkeypatch.setattr(native, "cuda_device_pointer", native.address)
+    fresh = InprocSource(prep, arena=64 << 20)
+    store.use(fresh)
+    base, size = native.address(fresh._arena), len(fresh._arena)
+    assert registered == [fresh._arena] and fresh.cuda_address == base
+    source.close()
+    _generate(gpu, fresh, model, tokenizer, 8)
+    assert len(registered) == 1 and store.stats["device_calls"] > 0
+    assert gpu.sources and all(base <= a < base + size for a in gpu.sources)
+
+
 def _generate(gpu, source, model, tokenizer, n):
     """``n`` greedy tokens of PROMPT on the fake GPU; then it stops and the source closes."""
     try:

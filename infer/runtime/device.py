@@ -387,9 +387,6 @@ class DeviceWait:
         kind = backend()
         if not wanted(mode, kind):
             return None
-        pin = getattr(store.source, "pin_for_cuda", None)
-        if kind == "cuda" and pin is not None:
-            pin()  # now: the kernels copy from it, the serving thread registers nothing
         try:
             dw = cls(store, store.cached, kind)
         except (OSError, RuntimeError, ValueError) as e:
@@ -397,6 +394,7 @@ class DeviceWait:
         else:
             try:
                 if dw.works():
+                    dw.attach(store.source)
                     return dw
                 why = "its kernel failed its check at load"
             except (RuntimeError, ValueError) as e:  # (a kernel that does not build)
@@ -450,6 +448,14 @@ class DeviceWait:
             self.posted[i] = self.granted[i] = 0  # (no forward's turn is 0)
             self.ids[i] = self.rows[i] = self.guesses[i] = 0
             self.mail[1] = 0
+
+    def attach(self, source):
+        """A source the store serves from: on CUDA its arena is pinned now,
+        by the thread that builds the forwards, so the kernels copy straight
+        from it and the serving thread registers nothing (one it could not
+        pin goes through the staging buffer)."""
+        if self.backend == "cuda" and source is not None:
+            source.pin_for_cuda()
 
     def close(self):
         """Give the mailbox and tables back (no kernel may run after)."""

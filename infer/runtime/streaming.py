@@ -281,6 +281,8 @@ class ExpertStore:
         """Serve from ``source`` (an ``ExpertSource``) from now on: a
         benchmark gives each run a fresh one while the model stays loaded."""
         self.source = source
+        if self.device is not None:
+            self.device.attach(source)
 
     def reset(self, keep_cache=False):
         """Zeroed figures and a fresh routing trace, same modules and routers;
